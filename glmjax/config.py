@@ -1,0 +1,208 @@
+"""Model configuration: one frozen dataclass, built from an ML-collections dict and validated up front.
+
+Field names follow the Hugging Face `glm_moe_dsa` / `deepseek_v32` configs (SPEC.md A) so that a
+config.json maps onto them directly. Every validation error names the field, the value and the rule.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+from flax.core import FrozenDict
+
+
+class ConfigError(ValueError):
+    """An invalid configuration value: the message names the field, the value and the rule."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 512
+    hidden_size: int = 128
+    intermediate_size: int = 256
+    moe_intermediate_size: int = 64
+    num_hidden_layers: int = 6
+    first_k_dense_replace: int = 1
+    num_attention_heads: int = 4
+    q_lora_rank: int = 64
+    kv_lora_rank: int = 32
+    qk_nope_head_dim: int = 32
+    qk_rope_head_dim: int = 16
+    v_head_dim: int = 24
+    n_routed_experts: int = 16
+    n_shared_experts: int = 1
+    num_experts_per_tok: int = 4
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 2.5
+    norm_topk_prob: bool = True
+    index_n_heads: int = 4
+    index_head_dim: int = 32
+    index_topk: int = 8
+    # Per-layer "full"/"shared"; None -> derived from index_topk_freq / index_skip_topk_offset (SPEC B.8).
+    indexer_types: tuple[str, ...] | None = None
+    index_topk_freq: int = 1
+    index_skip_topk_offset: int = 2
+    rope_interleave: bool = True
+    indexer_rope_interleave: bool = True
+    rope_theta: float = 10000.0
+    # None, or {"rope_type": "yarn", "factor", "original_max_position_embeddings", "beta_fast",
+    # "beta_slow", "mscale", "mscale_all_dim"} (SPEC B.5).
+    rope_scaling: Mapping[str, Any] | None = None
+    max_position_embeddings: int = 256
+    rms_norm_eps: float = 1e-5
+    latent_norm_eps: float = 1e-5  # q_a_layernorm / kv_a_layernorm (SPEC F-4: HF 1e-6, Megatron rms_norm_eps)
+    indexer_norm_eps: float = 1e-6  # indexer k_norm LayerNorm (SPEC F-5)
+    num_nextn_predict_layers: int = 1  # 0 or 1: the (parameter-shared) MTP layer
+    mtp_depth: int = 3  # D: depths the one MTP layer is applied for in training (SPEC E.5)
+    mtp_loss_weight: float = 0.1  # lambda in L = L_main + lambda/D * sum_k CE_k
+    init_std: float = 0.02
+    dtype: str = "float32"  # compute dtype of matmuls; softmax/norm stats/router/indexer weights/losses are f32
+    param_dtype: str = "float32"
+    attention_impl: str = "xla"  # "xla" (gathered top-k in XLA); the Pallas kernels register as "pallas"
+    block_q: int = 256  # query block of the indexer top-k and the sparse attention (bounds [bq, T] / [bq, k] temps)
+    loss_chunk: int = 512  # sequence chunk of the LM-head loss (never [B, S, V] at once)
+    scan_layers: bool = True
+    remat: str = "none"  # "none" | "full" | "save_dots"
+
+    # ----- derived -----
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def layer_indexer_types(self) -> tuple[str, ...]:
+        if self.indexer_types is not None:
+            return tuple(self.indexer_types)
+        return default_indexer_types(self.num_hidden_layers, self.index_topk_freq, self.index_skip_topk_offset)
+
+    @property
+    def yarn(self) -> bool:
+        return bool(self.rope_scaling) and self.rope_scaling.get("rope_type", self.rope_scaling.get("type")) == "yarn"
+
+    @property
+    def softmax_scale(self) -> float:
+        scale = self.qk_head_dim ** -0.5
+        if self.yarn:
+            m = yarn_mscale(self.rope_scaling["factor"], self.rope_scaling.get("mscale_all_dim", 0.0))
+            scale *= m * m
+        return scale
+
+    @property
+    def has_mtp(self) -> bool:
+        return self.num_nextn_predict_layers > 0 and self.mtp_depth > 0
+
+    # ----- construction -----
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
+        d = dict(d.to_dict() if hasattr(d, "to_dict") else d)
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ConfigError(f"model.{unknown[0]}: unknown field (known fields: {', '.join(sorted(names))})")
+        if d.get("indexer_types") is not None:
+            d["indexer_types"] = tuple(d["indexer_types"])
+        if d.get("rope_scaling") is not None:
+            d["rope_scaling"] = FrozenDict(dict(d["rope_scaling"]))
+        cfg = cls(**d)
+        cfg.validate()
+        return cfg
+
+    def replace(self, **kw) -> "ModelConfig":
+        cfg = dataclasses.replace(self, **kw)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        def fail(field, rule):
+            raise ConfigError(f"model.{field}={getattr(self, field)!r}: {rule}")
+
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.type == "int" and (not isinstance(v, int) or isinstance(v, bool)):
+                fail(f.name, "must be an integer")
+            if f.type == "float" and (not isinstance(v, (int, float)) or isinstance(v, bool)):
+                fail(f.name, "must be a number")
+            if f.type == "bool" and not isinstance(v, bool):
+                fail(f.name, "must be True or False")
+        positive = ["vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+                    "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                    "v_head_dim", "n_routed_experts", "num_experts_per_tok", "n_group", "topk_group",
+                    "index_n_heads", "index_head_dim", "index_topk", "index_topk_freq", "max_position_embeddings",
+                    "block_q", "loss_chunk"]
+        for name in positive:
+            if getattr(self, name) < 1:
+                fail(name, "must be >= 1")
+        for name in ["n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers", "mtp_depth",
+                     "index_skip_topk_offset"]:
+            if getattr(self, name) < 0:
+                fail(name, "must be >= 0")
+        for name in ["rms_norm_eps", "latent_norm_eps", "indexer_norm_eps", "init_std", "rope_theta",
+                     "routed_scaling_factor"]:
+            if not getattr(self, name) > 0:
+                fail(name, "must be > 0")
+        if self.mtp_loss_weight < 0:
+            fail("mtp_loss_weight", "must be >= 0")
+        if self.first_k_dense_replace > self.num_hidden_layers:
+            fail("first_k_dense_replace", f"must be <= num_hidden_layers={self.num_hidden_layers}")
+        if self.num_nextn_predict_layers > 1:
+            fail("num_nextn_predict_layers", "must be 0 or 1 (GLM-5 shares one MTP layer over mtp_depth depths)")
+        if self.qk_rope_head_dim % 2:
+            fail("qk_rope_head_dim", "must be even (RoPE rotates pairs)")
+        if self.qk_rope_head_dim > self.index_head_dim:
+            fail("qk_rope_head_dim", f"must be <= index_head_dim={self.index_head_dim} (the indexer ropes its first "
+                 "qk_rope_head_dim dims)")
+        if self.n_routed_experts % self.n_group:
+            fail("n_routed_experts", f"must be divisible by n_group={self.n_group}")
+        if self.n_group > 1 and self.n_routed_experts // self.n_group < 2:
+            fail("n_group", "group-limited routing scores a group by its top-2 experts: need >= 2 experts per group")
+        if self.topk_group > self.n_group:
+            fail("topk_group", f"must be <= n_group={self.n_group}")
+        if self.num_experts_per_tok > self.topk_group * (self.n_routed_experts // self.n_group):
+            fail("num_experts_per_tok", f"must be <= topk_group * experts per group = "
+                 f"{self.topk_group * (self.n_routed_experts // self.n_group)}")
+        if self.index_n_heads * self.index_head_dim < 1:
+            fail("index_n_heads", "must be >= 1")
+        types = self.layer_indexer_types
+        if len(types) != self.num_hidden_layers:
+            fail("indexer_types", f"needs one entry per layer: got {len(types)}, num_hidden_layers="
+                 f"{self.num_hidden_layers}")
+        bad = [t for t in types if t not in ("full", "shared")]
+        if bad:
+            fail("indexer_types", f"entries must be 'full' or 'shared', got {bad[0]!r}")
+        if types[0] != "full":
+            fail("indexer_types", "layer 0 must be 'full': a shared layer reuses the indices of the nearest "
+                 "previous full layer and layer 0 has none")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            fail("dtype", "must be one of float32, bfloat16, float16")
+        if self.param_dtype not in ("float32", "bfloat16"):
+            fail("param_dtype", "must be float32 or bfloat16")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            fail("attention_impl", f"must be one of {sorted(ATTENTION_IMPLS)}")
+        if self.remat not in REMAT_POLICIES:
+            fail("remat", f"must be one of {list(REMAT_POLICIES)}")
+        if self.rope_scaling:
+            rs = dict(self.rope_scaling)
+            rtype = rs.get("rope_type", rs.get("type"))
+            if rtype not in ("yarn", "default"):
+                fail("rope_scaling", "rope_type must be 'yarn' or 'default'")
+            if rtype == "yarn":
+                missing = [k for k in ("factor", "original_max_position_embeddings") if k not in rs]
+                if missing:
+                    fail("rope_scaling", f"yarn needs {missing}")
+                if not rs["factor"] >= 1:
+                    fail("rope_scaling", "yarn factor must be >= 1")
+
+
+ATTENTION_IMPLS = {"xla"}
+REMAT_POLICIES = ("none", "full", "save_dots")
+
+
+def default_indexer_types(num_layers: int, freq: int, offset: int) -> tuple[str, ...]:
+    """HF's IndexShare rule (SPEC B.8): layer i is full iff max(i - offset + 1, 0) % freq == 0."""
+    return tuple("full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(num_layers))
+
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0

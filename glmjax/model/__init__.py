@@ -1,0 +1,4 @@
+"""Flax NNX modules: norms + RoPE, MLA, lightning indexer, sparse attention (XLA), MoE, MTP, the decoder."""
+from glmjax.model.transformer import GLM, Batch, plan_stacks
+
+__all__ = ["GLM", "Batch", "plan_stacks"]

@@ -1,0 +1,93 @@
+"""The DSA lightning indexer (SPEC B.6): index scores I[t,s] = sum_h w[t,h] * ReLU(q_I[t,h] . k_I[s]) * d_I^-0.5,
+and the exact, deterministic top-k over them computed in query blocks so [B, S, T] never exists at once.
+
+Top-k contract (shared by training, decoding and the Pallas kernel): indices [B, S, min(k, T)] int32, the highest
+scores first, ties broken by the lowest key index (`lax.top_k` is stable), and -1 in every slot that has no valid
+key (fewer than k causal keys in the query's own segment).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from glmjax.config import ModelConfig
+from glmjax.model.layers import LayerNorm, apply_rope, dense, dtype_of, f32, normal_param
+
+NEG_INF = -jnp.inf
+
+
+class Indexer(nnx.Module):
+    """Parameters: wq_b [r_q, H_I, d_I], wk [D, d_I], k_norm (LayerNorm d_I), weights_proj [D, H_I]."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.wq_b = normal_param(rngs, (cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim),
+                                 ("q_lora", "index_heads", "index_head_dim"), cfg)
+        self.wk = normal_param(rngs, (cfg.hidden_size, cfg.index_head_dim), ("embed", "index_head_dim"), cfg)
+        self.k_norm = LayerNorm(cfg.index_head_dim, cfg.indexer_norm_eps, cfg)
+        self.weights_proj = normal_param(rngs, (cfg.hidden_size, cfg.index_n_heads), ("embed", "index_heads"), cfg)
+
+    def __call__(self, x, q_resid, cos, sin):
+        """x [B,S,D] (normed hidden), q_resid [B,S,r_q] -> q [B,S,H_I,d_I], k [B,S,d_I], w [B,S,H_I] (f32).
+
+        Inputs are detached: the indexer learns only from its own KL loss (SPEC E.2/E.3).
+        """
+        cfg, dt = self.cfg, dtype_of(self.cfg.dtype)
+        x, q_resid = jax.lax.stop_gradient(x), jax.lax.stop_gradient(q_resid)
+        dr, inter = cfg.qk_rope_head_dim, cfg.indexer_rope_interleave
+        q = dense(q_resid, self.wq_b[...], "bsr,rhd->bshd", dt)  # rope first, nope after (SPEC F-3)
+        q = jnp.concatenate([apply_rope(q[..., :dr], cos, sin, inter), q[..., dr:]], axis=-1)
+        k = self.k_norm(dense(x, self.wk[...], "bsd,dk->bsk", dt))
+        k = jnp.concatenate([apply_rope(k[..., :dr], cos, sin, inter), k[..., dr:]], axis=-1).astype(dt)
+        w = jnp.einsum("bsd,dh->bsh", x.astype(f32), self.weights_proj[...].astype(f32)) * cfg.index_n_heads ** -0.5
+        return q, k, w
+
+
+def index_logits(q, k, w):
+    """Unmasked index scores. q [B,S,H_I,d_I], k [B,T,d_I], w [B,S,H_I] -> [B,S,T] f32."""
+    s = jnp.einsum("bshd,btd->bsht", q, k, preferred_element_type=f32)
+    return jnp.einsum("bsht,bsh->bst", jax.nn.relu(s), w) * q.shape[-1] ** -0.5
+
+
+def visible(q_seg, k_seg, q_idx):
+    """[B,S,T] bool: key slot t is visible to the query at cache slot q_idx[s] (causal, same segment)."""
+    t = jnp.arange(k_seg.shape[1])
+    return (t[None, None, :] <= q_idx[None, :, None]) & (q_seg[:, :, None] == k_seg[:, None, :])
+
+
+def index_scores(q, k, w, q_seg, k_seg, q_idx=None):
+    """Differentiable masked index scores [B,S,T] (-inf where not visible): the path the indexer KL losses use."""
+    q_idx = jnp.arange(q.shape[1]) if q_idx is None else q_idx
+    return jnp.where(visible(q_seg, k_seg, q_idx), index_logits(q, k, w), NEG_INF)
+
+
+def index_topk(q, k, w, q_seg, k_seg, topk: int, block_q: int, q_idx=None):
+    """Exact top-k of the masked index scores, one query block at a time.
+
+    Returns (indices [B,S,k'] int32 with -1 for invalid slots, scores [B,S,k'] f32), k' = min(topk, T).
+    Only [B, block_q, H_I, T] is live per block; the scores never reach HBM as [B,S,T].
+    """
+    B, S = q.shape[:2]
+    T = k.shape[1]
+    kk = min(topk, T)
+    q_idx = jnp.arange(S) if q_idx is None else q_idx
+    bq = min(block_q, S)
+    nb = -(-S // bq)
+    pad = nb * bq - S
+
+    def blocks(a, axis=1):
+        a = jnp.pad(a, [(0, pad) if i == axis else (0, 0) for i in range(a.ndim)])
+        a = a.reshape(a.shape[:axis] + (nb, bq) + a.shape[axis + 1:])
+        return jnp.moveaxis(a, axis, 0)
+
+    def one_block(args):
+        qb, wb, segb, idxb = args
+        s = jnp.where(visible(segb, k_seg, idxb), index_logits(qb, k, wb), NEG_INF)
+        vals, ids = jax.lax.top_k(s, kk)
+        return jnp.where(vals == NEG_INF, -1, ids).astype(jnp.int32), vals
+
+    ids, vals = jax.lax.map(one_block, (blocks(q), blocks(w), blocks(q_seg), blocks(q_idx, axis=0)))
+    ids = jnp.moveaxis(ids, 0, 1).reshape(B, nb * bq, kk)[:, :S]
+    vals = jnp.moveaxis(vals, 0, 1).reshape(B, nb * bq, kk)[:, :S]
+    return ids, vals

@@ -1,0 +1,86 @@
+"""Multi-head latent attention (SPEC B.4) with DeepSeek Sparse Attention (B.6-B.8).
+
+mode "dense":  plain causal MLA with per-head keys/values expanded from the latent (training, dense warm-up).
+mode "sparse": the layer's indexer (or, on an IndexShare "shared" layer, the previous full layer's indices)
+               selects k keys per query; attention gathers those k rows of the 576-d latent cache in MQA form.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from glmjax.config import ModelConfig
+from glmjax.model.indexer import Indexer, index_topk, visible
+from glmjax.model.layers import RMSNorm, apply_rope, dense, dtype_of, f32, normal_param
+from glmjax.model.sparse_attention import sparse_mla_xla
+
+SPARSE_ATTENTION = {"xla": sparse_mla_xla}
+
+
+class Ctx(NamedTuple):
+    """Per-forward context shared by every layer: RoPE tables, packing segments and the attention mode."""
+    cos: jax.Array  # [B,S,d_r/2]
+    sin: jax.Array
+    segment_ids: jax.Array  # [B,S] int32, 0 = padding
+    mode: str  # "dense" | "sparse"
+
+
+class MLA(nnx.Module):
+    def __init__(self, cfg: ModelConfig, has_indexer: bool, rngs: nnx.Rngs):
+        self.cfg = cfg
+        D, H = cfg.hidden_size, cfg.num_attention_heads
+        r_q, r_kv, d_r = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+        self.q_a_proj = normal_param(rngs, (D, r_q), ("embed", "q_lora"), cfg)
+        self.q_a_layernorm = RMSNorm(r_q, cfg.latent_norm_eps, cfg)
+        self.q_b_proj = normal_param(rngs, (r_q, H, cfg.qk_head_dim), ("q_lora", "heads", "head_dim"), cfg)
+        self.kv_a_proj_with_mqa = normal_param(rngs, (D, r_kv + d_r), ("embed", "kv_lora"), cfg)
+        self.kv_a_layernorm = RMSNorm(r_kv, cfg.latent_norm_eps, cfg)
+        self.kv_b_proj = normal_param(rngs, (r_kv, H, cfg.qk_nope_head_dim + cfg.v_head_dim),
+                                      ("kv_lora", "heads", "head_dim"), cfg)
+        self.o_proj = normal_param(rngs, (H, cfg.v_head_dim, D), ("heads", "head_dim", "embed"), cfg)
+        self.indexer = Indexer(cfg, rngs) if has_indexer else None
+
+    def __call__(self, x: jax.Array, ctx: Ctx, topk: jax.Array):
+        """x [B,S,D] (normed), topk [B,S,k'] indices of the previous full layer -> out [B,S,D], topk used."""
+        cfg, dt = self.cfg, dtype_of(self.cfg.dtype)
+        d_n, r_kv = cfg.qk_nope_head_dim, cfg.kv_lora_rank
+        q_resid = self.q_a_layernorm(dense(x, self.q_a_proj[...], "bsd,dr->bsr", dt))
+        q = dense(q_resid, self.q_b_proj[...], "bsr,rhd->bshd", dt)
+        q_nope = q[..., :d_n]
+        q_pe = apply_rope(q[..., d_n:], ctx.cos, ctx.sin, cfg.rope_interleave)  # nope first, rope last
+        ckv = dense(x, self.kv_a_proj_with_mqa[...], "bsd,dc->bsc", dt)
+        c_kv = self.kv_a_layernorm(ckv[..., :r_kv])
+        k_pe = apply_rope(ckv[..., r_kv:], ctx.cos, ctx.sin, cfg.rope_interleave)
+        w_kv = self.kv_b_proj[...].astype(dt)
+        w_uk, w_uv = w_kv[..., :d_n], w_kv[..., d_n:]  # [r_kv,H,d_n], [r_kv,H,d_v]
+
+        if ctx.mode == "dense":
+            o = dense_mla(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, ctx.segment_ids, cfg.softmax_scale)
+        elif ctx.mode == "sparse":
+            if self.indexer is not None:
+                qi, ki, wi = self.indexer(x, q_resid, ctx.cos, ctx.sin)
+                seg = ctx.segment_ids
+                topk, _ = index_topk(qi, ki, wi, seg, seg, cfg.index_topk, cfg.block_q)
+            q_abs = jnp.concatenate([jnp.einsum("bshd,chd->bshc", q_nope, w_uk), q_pe], axis=-1)  # [B,S,H,576]
+            latent = jnp.concatenate([c_kv, k_pe], axis=-1)  # [B,T,576]: the MLA cache row of each token
+            o_lat, _ = SPARSE_ATTENTION[cfg.attention_impl](q_abs, latent, topk, scale=cfg.softmax_scale,
+                                                            kv_lora_rank=r_kv, block_q=cfg.block_q)
+            o = jnp.einsum("bshc,chv->bshv", o_lat, w_uv)
+        else:
+            raise ValueError(f"attention mode {ctx.mode!r}: must be 'dense' or 'sparse'")
+        return dense(o, self.o_proj[...], "bshv,hvd->bsd", dt), topk
+
+
+def dense_mla(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, segment_ids, scale):
+    """Causal MLA with keys/values expanded per head. -> [B,S,H,d_v]. Builds [B,H,S,T] logits (the dense baseline)."""
+    k_nope = jnp.einsum("btc,chd->bthd", c_kv, w_uk)
+    v = jnp.einsum("btc,chv->bthv", c_kv, w_uv)
+    logits = jnp.einsum("bshd,bthd->bhst", q_nope, k_nope, preferred_element_type=f32)
+    logits = (logits + jnp.einsum("bshr,btr->bhst", q_pe, k_pe, preferred_element_type=f32)) * scale
+    S = q_nope.shape[1]
+    logits = jnp.where(visible(segment_ids, segment_ids, jnp.arange(S))[:, None], logits, -jnp.inf)
+    p = jax.nn.softmax(logits, axis=-1)
+    return jnp.einsum("bhst,bthv->bshv", p.astype(v.dtype), v)

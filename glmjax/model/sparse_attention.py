@@ -1,0 +1,49 @@
+"""Sparse MLA attention in MQA form, XLA reference (SPEC B.7, D.2).
+
+DSA runs MLA "in MQA mode": every head attends over the same k gathered rows of the latent cache
+kv = [c_kv | k_pe] (r_kv + d_r = 576 for GLM-5), with absorbed queries q = [q_nope . W_UK | q_pe].
+Values are the r_kv-wide latent part. Work and memory are O(S * k): per query block only the
+[B, bq, k, r_kv + d_r] gathered rows exist, and the block is rematerialised in the backward pass.
+The Pallas kernel (pallas_kernels/) implements the same signature.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+f32 = jnp.float32
+
+
+def sparse_mla_xla(q, kv, indices, *, scale: float, kv_lora_rank: int, block_q: int = 256):
+    """q [B,S,H,R+d_r], kv [B,T,R+d_r], indices [B,S,k] int32 (-1 = ignore)
+    -> out [B,S,H,R] (dtype of q), lse [B,S,H] f32 (-inf for a query with no valid index)."""
+    B, S, H, _ = q.shape
+    R = kv_lora_rank
+    bq = min(block_q, S)
+    nb = -(-S // bq)
+    pad = nb * bq - S
+
+    def blocks(a):
+        a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2), constant_values=-1 if a.dtype == jnp.int32 else 0)
+        return jnp.moveaxis(a.reshape((B, nb, bq) + a.shape[2:]), 1, 0)
+
+    @jax.checkpoint
+    def one_block(args):
+        qb, ib = args  # [B,bq,H,C], [B,bq,k]
+        valid = ib >= 0
+        rows = jax.vmap(lambda cache, ids: cache[ids])(kv, jnp.maximum(ib, 0))  # [B,bq,k,C]
+        s = jnp.einsum("bqhc,bqkc->bqhk", qb, rows, preferred_element_type=f32) * scale
+        s = jnp.where(valid[:, :, None, :], s, -jnp.inf)
+        m = jnp.max(s, axis=-1, keepdims=True)
+        m = jnp.where(jnp.isfinite(m), m, 0.0)
+        p = jnp.exp(s - m)
+        l = jnp.sum(p, axis=-1)
+        o = jnp.einsum("bqhk,bqkr->bqhr", p.astype(q.dtype), rows[..., :R], preferred_element_type=f32)
+        o = o / jnp.where(l > 0, l, 1.0)[..., None]
+        lse = jnp.where(l > 0, m[..., 0] + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+        return o.astype(q.dtype), lse
+
+    out, lse = jax.lax.map(one_block, (blocks(q), blocks(indices)))
+    out = jnp.moveaxis(out, 0, 1).reshape(B, nb * bq, H, R)[:, :S]
+    lse = jnp.moveaxis(lse, 0, 1).reshape(B, nb * bq, H)[:, :S]
+    return out, lse
