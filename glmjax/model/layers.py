@@ -20,7 +20,7 @@ def dtype_of(name: str):
 def param(value: jax.Array, axes: tuple[str | None, ...]) -> nnx.Param:
     """A parameter carrying logical axis names (mapped to mesh axes by one rules table, never named here)."""
     assert len(axes) == value.ndim, (axes, value.shape)
-    return nnx.Param(value, sharding_names=axes, eager_sharding=False)
+    return nnx.Param(value, out_sharding=axes, eager_sharding=False)
 
 
 def normal_param(rngs: nnx.Rngs, shape, axes, cfg: ModelConfig, std: float | None = None) -> nnx.Param:

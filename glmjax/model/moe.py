@@ -61,7 +61,7 @@ class MoE(nnx.Module):
         self.cfg = cfg
         D, E, I = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
         self.gate = normal_param(rngs, (D, E), ("embed", "experts_router"), cfg)
-        self.e_score_correction_bias = RouterBias(jnp.zeros((E,), f32), sharding_names=("experts_router",),
+        self.e_score_correction_bias = RouterBias(jnp.zeros((E,), f32), out_sharding=("experts_router",),
                                                   eager_sharding=False)
         self.experts_gate = normal_param(rngs, (E, D, I), ("experts", "embed", "expert_mlp"), cfg)
         self.experts_up = normal_param(rngs, (E, D, I), ("experts", "embed", "expert_mlp"), cfg)
