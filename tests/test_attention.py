@@ -133,7 +133,7 @@ def _layer_outputs(cfg, S, mode, topk=None, seed=0):
     cos, sin = rope_tables(pos, cfg)
     ctx = Ctx(cos, sin, jnp.ones((2, S), jnp.int32), mode)
     kk = min(cfg.index_topk, S)
-    out, used = mla(x, ctx, jnp.full((2, S, kk), -1, jnp.int32))
+    out, used, _, _ = mla(x, ctx, jnp.full((2, S, kk), -1, jnp.int32))
     return out, used
 
 

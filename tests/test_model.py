@@ -23,7 +23,8 @@ def forward(model, batch, mode):
 def test_shapes_and_dtypes(model):
     cfg = model.cfg
     b = random_batch(cfg, 2, 48)
-    h, loads = forward(model, b, "sparse")
+    h, aux = forward(model, b, "sparse")
+    loads = aux["expert_load"]
     assert h.shape == (2, 48, cfg.hidden_size) and h.dtype == jnp.float32
     assert loads.shape == (5, cfg.n_routed_experts)  # 5 MoE layers (first_k_dense_replace=1)
     assert int(loads.sum()) == 5 * 2 * 48 * cfg.num_experts_per_tok

@@ -51,9 +51,10 @@ def index_logits(q, k, w):
 
 
 def visible(q_seg, k_seg, q_idx):
-    """[B,S,T] bool: key slot t is visible to the query at cache slot q_idx[s] (causal, same segment)."""
+    """[B,S,T] bool: key slot t is visible to the query at cache slot q_idx ([S] or [B,S]): causal, same segment."""
     t = jnp.arange(k_seg.shape[1])
-    return (t[None, None, :] <= q_idx[None, :, None]) & (q_seg[:, :, None] == k_seg[:, None, :])
+    q_idx = jnp.broadcast_to(q_idx, q_seg.shape)
+    return (t[None, None, :] <= q_idx[:, :, None]) & (q_seg[:, :, None] == k_seg[:, None, :])
 
 
 def index_scores(q, k, w, q_seg, k_seg, q_idx=None):
@@ -63,7 +64,8 @@ def index_scores(q, k, w, q_seg, k_seg, q_idx=None):
 
 
 def index_topk(q, k, w, q_seg, k_seg, topk: int, block_q: int, q_idx=None):
-    """Exact top-k of the masked index scores, one query block at a time.
+    """Exact top-k of the masked index scores, one query block at a time. q_idx ([S] or [B,S], default arange(S))
+    is the key slot of each query (its own position in the cache when decoding).
 
     Returns (indices [B,S,k'] int32 with -1 for invalid slots, scores [B,S,k'] f32), k' = min(topk, T).
     Only [B, block_q, H_I, T] is live per block; the scores never reach HBM as [B,S,T].
@@ -87,7 +89,8 @@ def index_topk(q, k, w, q_seg, k_seg, topk: int, block_q: int, q_idx=None):
         vals, ids = jax.lax.top_k(s, kk)
         return jnp.where(vals == NEG_INF, -1, ids).astype(jnp.int32), vals
 
-    ids, vals = jax.lax.map(one_block, (blocks(q), blocks(w), blocks(q_seg), blocks(q_idx, axis=0)))
+    q_idx = jnp.broadcast_to(q_idx, (B, S))
+    ids, vals = jax.lax.map(one_block, (blocks(q), blocks(w), blocks(q_seg), blocks(q_idx)))
     ids = jnp.moveaxis(ids, 0, 1).reshape(B, nb * bq, kk)[:, :S]
     vals = jnp.moveaxis(vals, 0, 1).reshape(B, nb * bq, kk)[:, :S]
     return ids, vals

@@ -21,11 +21,14 @@ SPARSE_ATTENTION = {"xla": sparse_mla_xla}
 
 
 class Ctx(NamedTuple):
-    """Per-forward context shared by every layer: RoPE tables, packing segments and the attention mode."""
+    """Per-forward context shared by every layer: RoPE tables, packing segments, the attention mode and, when
+    running against a cache (prefill / decode), where the new rows go and which cache slots hold keys."""
     cos: jax.Array  # [B,S,d_r/2]
     sin: jax.Array
     segment_ids: jax.Array  # [B,S] int32, 0 = padding
     mode: str  # "dense" | "sparse"
+    q_idx: jax.Array | None = None  # [B,S] cache slot of each new token (cache only; consecutive per row)
+    kv_valid: jax.Array | None = None  # [B,T] int32, 1 where the cache slot holds a key (after this write)
 
 
 class MLA(nnx.Module):
@@ -43,8 +46,10 @@ class MLA(nnx.Module):
         self.o_proj = normal_param(rngs, (H, cfg.v_head_dim, D), ("heads", "head_dim", "embed"), cfg)
         self.indexer = Indexer(cfg, rngs) if has_indexer else None
 
-    def __call__(self, x: jax.Array, ctx: Ctx, topk: jax.Array):
-        """x [B,S,D] (normed), topk [B,S,k'] indices of the previous full layer -> out [B,S,D], topk used."""
+    def __call__(self, x: jax.Array, ctx: Ctx, topk: jax.Array, cache: dict | None = None):
+        """x [B,S,D] (normed), topk [B,S,k'] indices of the previous full layer, cache None (keys = this sequence)
+        or {"latent": [B,T,r_kv+d_r], "index_k": [B,T,d_I] on full layers} (the new rows are written first)
+        -> out [B,S,D], topk used, stats {"max_logit": largest attention logit (dense training)}, cache."""
         cfg, dt = self.cfg, dtype_of(self.cfg.dtype)
         d_n, r_kv = cfg.qk_nope_head_dim, cfg.kv_lora_rank
         q_resid = self.q_a_layernorm(dense(x, self.q_a_proj[...], "bsd,dr->bsr", dt))
@@ -56,26 +61,50 @@ class MLA(nnx.Module):
         k_pe = apply_rope(ckv[..., r_kv:], ctx.cos, ctx.sin, cfg.rope_interleave)
         w_kv = self.kv_b_proj[...].astype(dt)
         w_uk, w_uv = w_kv[..., :d_n], w_kv[..., d_n:]  # [r_kv,H,d_n], [r_kv,H,d_v]
+        latent = jnp.concatenate([c_kv, k_pe], axis=-1)  # [B,S,576]: the MLA cache row of each token (SPEC D.1)
+        q_seg, k_seg, q_idx = ctx.segment_ids, ctx.segment_ids, None
+        if cache is not None:
+            cache = dict(cache, latent=write_rows(cache["latent"], latent, ctx.q_idx[:, 0]))
+            latent, k_seg, q_idx = cache["latent"], ctx.kv_valid, ctx.q_idx
 
-        if ctx.mode == "dense":
-            o = dense_mla(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, ctx.segment_ids, cfg.softmax_scale)
-        elif ctx.mode == "sparse":
-            if self.indexer is not None:
-                qi, ki, wi = self.indexer(x, q_resid, ctx.cos, ctx.sin)
-                seg = ctx.segment_ids
-                topk, _ = index_topk(qi, ki, wi, seg, seg, cfg.index_topk, cfg.block_q)
+        stats = {}
+        if ctx.mode == "dense" and cache is None:
+            o, stats["max_logit"] = dense_mla(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, ctx.segment_ids,
+                                              cfg.softmax_scale)
+        elif ctx.mode in ("dense", "sparse"):
             q_abs = jnp.concatenate([jnp.einsum("bshd,chd->bshc", q_nope, w_uk), q_pe], axis=-1)  # [B,S,H,576]
-            latent = jnp.concatenate([c_kv, k_pe], axis=-1)  # [B,T,576]: the MLA cache row of each token
-            o_lat, _ = SPARSE_ATTENTION[cfg.attention_impl](q_abs, latent, topk, scale=cfg.softmax_scale,
-                                                            kv_lora_rank=r_kv, block_q=cfg.block_q)
+            if ctx.mode == "dense":  # absorbed attention over every visible cache row (SPEC D.2)
+                o_lat = dense_mla_absorbed(q_abs, latent, visible(q_seg, k_seg, q_idx), cfg.softmax_scale, r_kv)
+            else:
+                if self.indexer is not None:
+                    qi, ki, wi = self.indexer(x, q_resid, ctx.cos, ctx.sin)
+                    if cache is not None:
+                        cache["index_k"] = write_rows(cache["index_k"], ki, ctx.q_idx[:, 0])
+                        ki = cache["index_k"]
+                    topk, _ = index_topk(qi, ki, wi, q_seg, k_seg, cfg.index_topk, cfg.block_q, q_idx)
+                o_lat, _ = SPARSE_ATTENTION[cfg.attention_impl](q_abs, latent, topk, scale=cfg.softmax_scale,
+                                                                kv_lora_rank=r_kv, block_q=cfg.block_q)
             o = jnp.einsum("bshc,chv->bshv", o_lat, w_uv)
         else:
             raise ValueError(f"attention mode {ctx.mode!r}: must be 'dense' or 'sparse'")
-        return dense(o, self.o_proj[...], "bshv,hvd->bsd", dt), topk
+        return dense(o, self.o_proj[...], "bshv,hvd->bsd", dt), topk, stats, cache
+
+
+def write_rows(cache, rows, start):
+    """cache [B,T,C] with rows [B,S,C] written at slots start[b] .. start[b]+S-1."""
+    return jax.vmap(lambda c, r, s: jax.lax.dynamic_update_slice_in_dim(c, r.astype(c.dtype), s, 0))(cache, rows, start)
+
+
+def dense_mla_absorbed(q_abs, latent, vis, scale, r_kv):
+    """MQA-form attention of absorbed queries [B,S,H,576] over all visible latent rows [B,T,576] -> [B,S,H,r_kv]."""
+    s = jnp.einsum("bshc,btc->bhst", q_abs, latent, preferred_element_type=f32) * scale
+    p = jax.nn.softmax(jnp.where(vis[:, None], s, -jnp.inf), axis=-1)
+    return jnp.einsum("bhst,btr->bshr", p.astype(latent.dtype), latent[..., :r_kv])
 
 
 def dense_mla(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, segment_ids, scale):
-    """Causal MLA with keys/values expanded per head. -> [B,S,H,d_v]. Builds [B,H,S,T] logits (the dense baseline)."""
+    """Causal MLA with keys/values expanded per head -> out [B,S,H,d_v], max logit (scalar, no gradient).
+    Builds [B,H,S,T] logits: the dense baseline."""
     k_nope = jnp.einsum("btc,chd->bthd", c_kv, w_uk)
     v = jnp.einsum("btc,chv->bthv", c_kv, w_uv)
     logits = jnp.einsum("bshd,bthd->bhst", q_nope, k_nope, preferred_element_type=f32)
@@ -83,4 +112,4 @@ def dense_mla(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, segment_ids, scale):
     S = q_nope.shape[1]
     logits = jnp.where(visible(segment_ids, segment_ids, jnp.arange(S))[:, None], logits, -jnp.inf)
     p = jax.nn.softmax(logits, axis=-1)
-    return jnp.einsum("bhst,bthv->bshv", p.astype(v.dtype), v)
+    return jnp.einsum("bhst,bthv->bshv", p.astype(v.dtype), v), jax.lax.stop_gradient(jnp.max(logits))

@@ -29,16 +29,17 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg)
         self.mlp = MoE(cfg, rngs) if moe else MLP(cfg, cfg.intermediate_size, rngs)
 
-    def __call__(self, h, topk, ctx: Ctx):
-        """h [B,S,D], topk [B,S,k'] -> (h, topk, expert load [E] or None)."""
-        a, topk = self.self_attn(self.input_layernorm(h), ctx, topk)
+    def __call__(self, h, topk, ctx: Ctx, cache=None):
+        """h [B,S,D], topk [B,S,k'], cache (see MLA) -> (h, topk, aux {"max_logit": (), "expert_load": [E] on MoE
+        layers}, cache)."""
+        a, topk, aux, cache = self.self_attn(self.input_layernorm(h), ctx, topk, cache)
         h = h + a
         y = self.post_attention_layernorm(h)
         if isinstance(self.mlp, MoE):
-            m, load = self.mlp(y)
+            m, aux["expert_load"] = self.mlp(y)
         else:
-            m, load = self.mlp(y), None
-        return h + m, topk, load
+            m = self.mlp(y)
+        return h + m, topk, aux, cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,17 +66,38 @@ def plan_stacks(cfg: ModelConfig) -> list[StackPlan]:
     return plans
 
 
+def layer_slots(cfg: ModelConfig) -> list[tuple[int, int, int]]:
+    """Decoder layer i -> (stack, unit within the stack, position within the unit): where its weights live."""
+    slots = [None] * cfg.num_hidden_layers
+    for s, plan in enumerate(plan_stacks(cfg)):
+        for u, start in enumerate(plan.starts):
+            for j in range(len(plan.kinds)):
+                slots[start + j] = (s, u, j)
+    return slots
+
+
 class Unit(nnx.Module):
     def __init__(self, cfg: ModelConfig, kinds, rngs: nnx.Rngs):
         self.layers = nnx.List([DecoderLayer(cfg, moe, idx, rngs) for moe, idx in kinds])
 
-    def __call__(self, h, topk, ctx: Ctx):
-        loads = []
-        for layer in self.layers:
-            h, topk, load = layer(h, topk, ctx)
-            if load is not None:
-                loads.append(load)
-        return h, topk, (jnp.stack(loads) if loads else None)
+    def __call__(self, h, topk, ctx: Ctx, caches=None):
+        """-> h, topk, aux with each entry stacked over the unit's layers that produce it, caches (list per layer)."""
+        auxs, new_caches = [], []
+        for j, layer in enumerate(self.layers):
+            h, topk, aux, c = layer(h, topk, ctx, None if caches is None else caches[j])
+            auxs.append(aux)
+            new_caches.append(c)
+        return h, topk, stack_aux(auxs), (None if caches is None else new_caches)
+
+
+def stack_aux(auxs: list[dict]) -> dict:
+    keys = dict.fromkeys(k for a in auxs for k in a)
+    return {k: jnp.stack([a[k] for a in auxs if k in a]) for k in keys}
+
+
+def concat_aux(auxs: list[dict]) -> dict:
+    keys = dict.fromkeys(k for a in auxs for k in a)
+    return {k: jnp.concatenate([a[k] for a in auxs if k in a]) for k in keys}
 
 
 REMAT = {
@@ -99,25 +121,28 @@ class Stack(nnx.Module):
 
         self.units = create(rngs)
 
-    def __call__(self, h, topk, ctx: Ctx):
+    def __call__(self, h, topk, ctx: Ctx, caches=None):
+        """caches: None, or per position in the unit a cache dict stacked over the units ([n, B, T, C] leaves)."""
         graphdef, state = nnx.split(self.units)
 
-        def body(carry, unit_state):
+        def body(carry, xs):
             h, topk = carry
-            h, topk, loads = nnx.merge(graphdef, unit_state)(h, topk, ctx)
-            return (h, topk), loads
+            unit_state, unit_caches = xs
+            h, topk, aux, unit_caches = nnx.merge(graphdef, unit_state)(h, topk, ctx, unit_caches)
+            return (h, topk), (aux, unit_caches)
 
         if self.cfg.remat != "none":
             body = jax.checkpoint(body, policy=REMAT[self.cfg.remat], prevent_cse=False)
         if self.cfg.scan_layers:
-            (h, topk), loads = jax.lax.scan(body, (h, topk), state)
+            (h, topk), (aux, caches) = jax.lax.scan(body, (h, topk), (state, caches))
         else:
             outs = []
             for i in range(self.n):
-                (h, topk), loads_i = body((h, topk), jax.tree.map(lambda a: a[i], state))
-                outs.append(loads_i)
-            loads = None if outs[0] is None else jnp.stack(outs)
-        return h, topk, (None if loads is None else loads.reshape(-1, loads.shape[-1]))
+                (h, topk), out = body((h, topk), jax.tree.map(lambda a: a[i], (state, caches)))
+                outs.append(out)
+            aux, caches = jax.tree.map(lambda *a: jnp.stack(a), *outs)
+        # [units, layers per unit, ...] -> [layers, ...] in layer order
+        return h, topk, jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), aux), caches
 
 
 class MTP(nnx.Module):
@@ -136,8 +161,8 @@ class MTP(nnx.Module):
         u = jnp.concatenate([self.enorm(emb), self.hnorm(h_prev)], axis=-1)  # embedding first, hidden second
         u = dense(u, self.eh_proj[...], "bsd,de->bse", dtype)
         topk0 = jnp.full(u.shape[:2] + (0,), -1, jnp.int32)
-        h, _, load = self.layer(u, topk0, ctx)
-        return self.shared_head_norm(h), load
+        h, _, aux, _ = self.layer(u, topk0, ctx)
+        return self.shared_head_norm(h), aux
 
 
 class Batch(NamedTuple):
@@ -163,19 +188,22 @@ class GLM(nnx.Module):
         return Ctx(cos, sin, batch.segment_ids, mode)
 
     def __call__(self, batch: Batch, mode: str = "dense"):
-        """-> final post-norm hidden [B,S,D], per-MoE-layer expert load [L_moe, E] (or None)."""
-        cfg = self.cfg
-        B, S = batch.tokens.shape
-        ctx = self.ctx(batch, mode)
-        h = self.embed_tokens[...][batch.tokens].astype(dtype_of(cfg.dtype))
-        kk = min(cfg.index_topk, S) if mode == "sparse" else 0
-        topk = jnp.full((B, S, kk), -1, jnp.int32)
-        loads = []
-        for stack in self.stacks:
-            h, topk, load = stack(h, topk, ctx)
-            if load is not None:
-                loads.append(load)
-        return self.norm(h), (jnp.concatenate(loads) if loads else None)
+        """-> final post-norm hidden [B,S,D], aux {"expert_load": [L_moe, E], "max_logit": [L] (dense mode)}."""
+        h, aux, _ = self.trunk(batch.tokens, self.ctx(batch, mode), None)
+        return h, aux
+
+    def trunk(self, tokens, ctx: Ctx, caches):
+        """Embedding, every stack, final norm. caches: None or one entry per stack (see Stack) -> h, aux, caches."""
+        B, S = tokens.shape
+        h = self.embed_tokens[...][tokens].astype(dtype_of(self.cfg.dtype))
+        keys = S if caches is None else ctx.kv_valid.shape[1]
+        topk = jnp.full((B, S, min(self.cfg.index_topk, keys) if ctx.mode == "sparse" else 0), -1, jnp.int32)
+        auxs, new_caches = [], []
+        for i, stack in enumerate(self.stacks):
+            h, topk, aux, c = stack(h, topk, ctx, None if caches is None else caches[i])
+            auxs.append(aux)
+            new_caches.append(c)
+        return self.norm(h), concat_aux(auxs), (None if caches is None else new_caches)
 
     def logits(self, h):
         """Full logits [.., V] f32 -- for inspection and decoding; training uses `token_nll` (chunked)."""
@@ -184,25 +212,27 @@ class GLM(nnx.Module):
     def loss(self, batch: Batch, mode: str = "dense"):
         """L = CE_main + mtp_loss_weight / D * sum_k CE_k (SPEC E.1, E.5). -> (loss, metrics dict)."""
         cfg = self.cfg
-        h, loads = self(batch, mode)
+        h, aux = self(batch, mode)
         targets, valid = shifted_targets(batch, 1)
         nll = token_nll(h, self.lm_head[...], targets, cfg.loss_chunk)
         lm_sum, lm_count = jnp.sum(nll * valid), jnp.sum(valid)
         lm = lm_sum / jnp.maximum(lm_count, 1.0)
         metrics = {"lm_loss": lm, "lm_nll_sum": lm_sum, "lm_tokens": lm_count}
         loss = lm
+        if "max_logit" in aux:
+            metrics["max_attn_logit"] = jnp.max(aux["max_logit"])
         if self.mtp is not None:
-            mtp_losses, mtp_loads = self.mtp_losses(batch, h, mode)
+            mtp_losses, mtp_aux = self.mtp_losses(batch, h, mode)
             loss = loss + cfg.mtp_loss_weight / cfg.mtp_depth * jnp.sum(mtp_losses)
             metrics["mtp_loss"] = jnp.mean(mtp_losses)
-            loads = mtp_loads if loads is None else jnp.concatenate([loads, mtp_loads])
+            aux = concat_aux([aux, {"expert_load": mtp_aux["expert_load"]}])
         metrics["loss"] = loss
-        if loads is not None:
-            metrics["expert_load"] = loads
+        if "expert_load" in aux:
+            metrics["expert_load"] = aux["expert_load"]  # [L_moe (+ mtp_depth), E], layer order, MTP depths last
         return loss, metrics
 
     def mtp_losses(self, batch: Batch, h, mode: str):
-        """Per-depth CE [mtp_depth] and the MTP layer's expert load per depth [D_mtp, E]. Depth k (1-based) at slot i
+        """Per-depth CE [mtp_depth] and the MTP layer's aux per depth (expert load [D_mtp, E]). Depth k at slot i
         embeds t_{i+k} and predicts t_{i+k+1}, inside the same document."""
         cfg, dt = self.cfg, dtype_of(self.cfg.dtype)
         ctx = self.ctx(batch, mode)
@@ -213,12 +243,12 @@ class GLM(nnx.Module):
         def depth(h_prev, xs):
             tok, tgt, ok = xs
             emb = self.embed_tokens[...][tok].astype(dt)
-            hk, load = self.mtp(emb, h_prev, ctx, dt)
+            hk, aux = self.mtp(emb, h_prev, ctx, dt)
             nll = token_nll(hk, self.lm_head[...], tgt, cfg.loss_chunk)
-            return hk, (jnp.sum(nll * ok) / jnp.maximum(jnp.sum(ok), 1.0), load)
+            return hk, (jnp.sum(nll * ok) / jnp.maximum(jnp.sum(ok), 1.0), aux)
 
-        _, (losses, loads) = jax.lax.scan(depth, h, (emb_tokens, jnp.stack(targets), jnp.stack(valid)))
-        return losses, loads
+        _, (losses, aux) = jax.lax.scan(depth, h, (emb_tokens, jnp.stack(targets), jnp.stack(valid)))
+        return losses, aux
 
 
 def shift_left(x, n: int, fill):
