@@ -60,6 +60,7 @@ class ModelConfig:
     init_std: float = 0.02
     dtype: str = "float32"  # compute dtype of matmuls; softmax/norm stats/router/indexer weights/losses are f32
     param_dtype: str = "float32"
+    moe_impl: str = "auto"  # "auto" (ragged_dot on TPU, blocked elsewhere) | "ragged_dot" | "blocked"
     attention_impl: str = "xla"  # "xla" (gathered top-k in XLA); the Pallas kernels register as "pallas"
     block_q: int = 256  # query block of the indexer top-k and the sparse attention (bounds [bq, T] / [bq, k] temps)
     loss_chunk: int = 512  # sequence chunk of the LM-head loss (never [B, S, V] at once)
@@ -180,6 +181,8 @@ class ModelConfig:
             fail("param_dtype", "must be float32 or bfloat16")
         if self.attention_impl not in ATTENTION_IMPLS:
             fail("attention_impl", f"must be one of {sorted(ATTENTION_IMPLS)}")
+        if self.moe_impl not in ("auto", "ragged_dot", "blocked"):
+            fail("moe_impl", "must be one of auto, ragged_dot, blocked")
         if self.remat not in REMAT_POLICIES:
             fail("remat", f"must be one of {list(REMAT_POLICIES)}")
         if self.rope_scaling:

@@ -2,9 +2,10 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
-from glmjax.model.moe import MoE, route
+from glmjax.model.moe import MoE, grouped_matmul_blocked, grouped_matmul_ragged, route
 from helpers import tiny
 
 
@@ -56,8 +57,9 @@ def test_routing_without_normalisation_uses_raw_sigmoid_scores():
     np.testing.assert_allclose(w, 2.5 * jax.nn.sigmoid(jnp.take_along_axis(logits, ids, -1)), rtol=1e-6)
 
 
-def test_moe_forward_matches_naive_per_token_loop():
-    cfg = tiny()
+@pytest.mark.parametrize("impl", ["blocked", "ragged_dot"])
+def test_moe_forward_matches_naive_per_token_loop(impl):
+    cfg = tiny(moe_impl=impl)
     moe = MoE(cfg, nnx.Rngs(3))
     moe.e_score_correction_bias[...] = 0.05 * jax.random.normal(jax.random.key(9), (16,))
     y = jax.random.normal(jax.random.key(4), (2, 9, cfg.hidden_size))
@@ -89,3 +91,22 @@ def test_moe_gradient_flows_to_experts_and_router_but_not_bias():
     assert float(jnp.abs(grads["experts_down"][...]).sum()) > 0
     assert float(jnp.abs(grads["gate"][...]).sum()) > 0  # through the routing weights
     assert "e_score_correction_bias" not in grads
+
+
+@pytest.mark.parametrize("M,E", [(37, 5), (256, 16), (3, 8)])
+def test_blocked_grouped_matmul_equals_ragged_dot_with_empty_groups(M, E):
+    sizes = np.random.default_rng(M).multinomial(M, np.ones(E) / E).astype(np.int32)
+    sizes[0], sizes[-1] = sizes[0] + sizes[-1], 0  # at least one empty group
+    gs = jnp.asarray(sizes)
+    xs = jax.random.normal(jax.random.key(0), (M, 12))
+    w = jax.random.normal(jax.random.key(1), (E, 12, 7))
+    np.testing.assert_allclose(grouped_matmul_blocked(xs, w, gs), grouped_matmul_ragged(xs, w, gs), atol=1e-5)
+    # naive: row by row with its group's matrix
+    groups = np.repeat(np.arange(E), sizes)
+    ref = np.stack([np.asarray(xs[i]) @ np.asarray(w[groups[i]]) for i in range(M)])
+    np.testing.assert_allclose(grouped_matmul_blocked(xs, w, gs), ref, atol=1e-4, rtol=1e-5)
+    loss = lambda f: (lambda x, w: jnp.sum(jnp.sin(f(x, w, gs))))
+    ga = jax.grad(loss(grouped_matmul_blocked), argnums=(0, 1))(xs, w)
+    gb = jax.grad(loss(grouped_matmul_ragged), argnums=(0, 1))(xs, w)
+    for a, b in zip(ga, gb):
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)

@@ -1,12 +1,14 @@
 """Feed-forward blocks (SPEC B.9): SwiGLU MLP, and the sigmoid-routed MoE with aux-loss-free correction bias,
 group-limited top-k, normalisation, routed scaling and a shared expert.
 
-Experts run dropless with a sort-based dispatch and `jax.lax.ragged_dot` (no one-hot [tokens, experts] einsum).
+Experts run dropless with a sort-based dispatch: `jax.lax.ragged_dot` on TPU, a block-padded grouped matmul
+elsewhere (no one-hot [tokens, experts] einsum on either path).
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from glmjax.config import ModelConfig
@@ -90,8 +92,36 @@ class MoE(nnx.Module):
         order = jnp.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
         group_sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
         xs = x[order // K].astype(dt)
-        g = jax.lax.ragged_dot(xs, self.experts_gate[...].astype(dt), group_sizes)
-        u = jax.lax.ragged_dot(xs, self.experts_up[...].astype(dt), group_sizes)
-        h = jax.lax.ragged_dot(jax.nn.silu(g) * u, self.experts_down[...].astype(dt), group_sizes)
+        impl = self.cfg.moe_impl
+        if impl == "auto":
+            impl = "ragged_dot" if jax.default_backend() == "tpu" else "blocked"
+        mm = grouped_matmul_ragged if impl == "ragged_dot" else grouped_matmul_blocked
+        w = [a[...].astype(dt) for a in (self.experts_gate, self.experts_up, self.experts_down)]
+        h = mm(jax.nn.silu(mm(xs, w[0], group_sizes)) * mm(xs, w[1], group_sizes), w[2], group_sizes)
         ys = jnp.zeros((N * K, x.shape[-1]), h.dtype).at[order].set(h)  # back to (token, slot) order
         return jnp.einsum("nkd,nk->nd", ys.reshape(N, K, -1).astype(f32), weights)
+
+
+def grouped_matmul_ragged(xs, w, group_sizes):
+    """xs [M,D] sorted by group, w [E,D,F] -> [M,F] with `lax.ragged_dot` (native grouped matmul on TPU).
+    Off TPU, XLA lowers it densely (every row through every group: E/K_e times the work)."""
+    return jax.lax.ragged_dot(xs, w, group_sizes)
+
+
+def grouped_matmul_blocked(xs, w, group_sizes):
+    """Same result as `grouped_matmul_ragged` with static shapes and no dense fallback: every group is padded to a
+    multiple of a row block `bm`, so each block belongs to one group and is one [bm,D] x [D,F] matmul.
+    Padding costs at most E*(bm-1) extra rows; bm ~ the mean group size keeps that <= M."""
+    M, D = xs.shape
+    E = w.shape[0]
+    bm = int(min(512, max(8, 2 ** int(np.log2(max(M // E, 1))))))
+    nb = -(-(M + E * (bm - 1)) // bm)
+    padded = -(-group_sizes // bm) * bm
+    ends = jnp.cumsum(padded)
+    start, pstart = jnp.cumsum(group_sizes) - group_sizes, ends - padded
+    group = jnp.repeat(jnp.arange(E), group_sizes, total_repeat_length=M)  # group of each sorted row
+    dest = pstart[group] + jnp.arange(M) - start[group]  # row -> padded slot
+    xp = jnp.zeros((nb * bm, D), xs.dtype).at[dest].set(xs)
+    block_group = jnp.minimum(jnp.searchsorted(ends, jnp.arange(nb) * bm, side="right"), E - 1)
+    out = jnp.einsum("jbd,jdf->jbf", xp.reshape(nb, bm, D), w[block_group])
+    return out.reshape(nb * bm, -1)[dest]
