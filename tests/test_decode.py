@@ -125,3 +125,15 @@ def test_generate_rejects_bad_input(model):
         generate(dec, [[1, 9999]], 3, key=jax.random.key(0))
     with pytest.raises(ValueError, match="max_len"):
         generate(dec, [[1, 2, 3]], 5, key=jax.random.key(0), max_len=6)
+
+
+@pytest.mark.parametrize("mode", ["dense", "sparse"])
+def test_chunked_prefill_equals_the_full_forward(model, mode):
+    seq = np.random.default_rng(5).integers(0, 512, 30).tolist()
+    want = full_logits(model, seq, mode)
+    dec = Decoder(model, mode)
+    caches = dec.init_cache(1, 32)
+    for start, stop in [(0, 16), (16, 30)]:
+        tok = jnp.asarray([seq[start:stop]], jnp.int32)
+        logits, caches = dec.extend(dec.state, tok, jnp.asarray([start], jnp.int32), caches)
+        np.testing.assert_allclose(logits[0], want[stop - 1], atol=1e-4)

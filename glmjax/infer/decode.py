@@ -63,6 +63,7 @@ class Decoder:
         self.graphdef, self.state = nnx.split(model)
         self.prefill = jax.jit(self._prefill, donate_argnums=(3,))
         self.decode = jax.jit(self._decode, donate_argnums=(3,))
+        self.extend = jax.jit(self._extend, donate_argnums=(3,))
 
     def init_cache(self, batch_size: int, max_len: int):
         return init_cache(self.model, batch_size, max_len)
@@ -73,6 +74,13 @@ class Decoder:
         h, caches = forward_cached(model, tokens, jnp.zeros_like(lengths), caches, self.mode)
         last = jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)[:, 0]
         return model.logits(last), caches
+
+    def _extend(self, state, tokens, start, caches):
+        """Chunked prefill: tokens [B,S] appended at slots start[b].. -> logits of each row's last new token, caches.
+        A long prompt goes in as several chunks, so attention temporaries stay [B, H, chunk, T]."""
+        model = nnx.merge(self.graphdef, state)
+        h, caches = forward_cached(model, tokens, start, caches, self.mode)
+        return model.logits(h[:, -1]), caches
 
     def _decode(self, state, tokens, lengths, caches):
         """One new token per row, tokens [B] at slot lengths[b] -> logits [B,V] f32, caches."""
