@@ -33,7 +33,8 @@ def default_train_config(**overrides) -> ml_collections.ConfigDict:
     return c
 
 
-def validate_train_config(t, vocab_size: int, tokenizer_vocab: int) -> None:
+def validate_train_config(t, model_cfg, tokenizer_vocab: int) -> None:
+    """t: the train ConfigDict; model_cfg: the validated ModelConfig."""
     def fail(field, rule):
         raise ConfigError(f"train.{field}={t[field]!r}: {rule}")
 
@@ -58,5 +59,8 @@ def validate_train_config(t, vocab_size: int, tokenizer_vocab: int) -> None:
         fail("mode", f"must be one of {MODES}")
     if t.max_docs is not None and t.max_docs < 2:
         fail("max_docs", "must be >= 2 (one train and one held-out document) or None")
-    if vocab_size < tokenizer_vocab:
-        raise ConfigError(f"model.vocab_size={vocab_size}: must be >= {tokenizer_vocab} (byte tokenizer vocabulary)")
+    if t.seq_len > model_cfg.max_position_embeddings:
+        fail("seq_len", f"must be <= model.max_position_embeddings={model_cfg.max_position_embeddings}")
+    if model_cfg.vocab_size < tokenizer_vocab:
+        raise ConfigError(f"model.vocab_size={model_cfg.vocab_size}: must be >= {tokenizer_vocab} "
+                          "(byte tokenizer vocabulary)")

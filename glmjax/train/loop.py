@@ -32,10 +32,11 @@ def evaluate(eval_step, params, rest, batches) -> dict:
 
 def train(config, workdir: str, progress: bool = True) -> dict:
     """Train `config.model` with `config.train`; writes workdir/{config.json,metrics.jsonl}. -> summary dict."""
+    t0 = time.perf_counter()
     t = config.train
     cfg = ModelConfig.from_dict(config.model)
     tok = ByteTokenizer()
-    validate_train_config(t, cfg.vocab_size, tok.vocab_size)
+    validate_train_config(t, cfg, tok.vocab_size)
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, "config.json"), "w") as f:
         f.write(config.to_json(indent=2))
@@ -59,9 +60,9 @@ def train(config, workdir: str, progress: bool = True) -> dict:
     train_step = make_train_step(graphdef, tx, t.mode, t.bias_update_rate)
     eval_step = make_eval_step(graphdef, t.mode)
 
-    summary: dict = {"params": n_train + n_frozen, "trainable_params": n_train}
     it = iter(data)
     start = time.perf_counter()
+    summary: dict = {"params": n_train + n_frozen, "trainable_params": n_train, "setup_s": start - t0}
     window_t, window_tokens, timed_tokens, timed_s = start, 0, 0, 0.0
     with open(os.path.join(workdir, "metrics.jsonl"), "w") as out, \
             tqdm(total=t.steps, disable=not progress, dynamic_ncols=True) as bar:
@@ -74,31 +75,29 @@ def train(config, workdir: str, progress: bool = True) -> dict:
             params, rest, opt_state, m = train_step(params, rest, opt_state, to_batch(b))
             window_tokens += int(np.sum(b["segment_ids"] > 0))
             bar.update(1)
-            if step == 1:  # the first step compiles: time it separately, keep it out of tokens/s
-                m = jax.device_get(m)
-                summary["first_step_s"] = time.perf_counter() - start
-                summary["first_loss"] = float(m["loss"])
-                window_t, window_tokens = time.perf_counter(), 0
-            if step % t.log_every == 0 or step == t.steps:
+            if step == 1 or step % t.log_every == 0 or step == t.steps:
                 m = jax.device_get(m)
                 now = time.perf_counter()
-                if step > 1:
+                if step > 1:  # the first step compiles: it is timed on its own, not counted in tokens/s
                     timed_tokens, timed_s = timed_tokens + window_tokens, timed_s + now - window_t
+                else:
+                    summary["first_step_s"], summary["first_loss"] = now - start, float(m["loss"])
                 tps = window_tokens / max(now - window_t, 1e-9)
-                record = {"step": step, **{k: float(v) for k, v in m.items()}, "lr": float(schedule(step - 1)),
+                record = {"step": step, **{k: float(v) for k, v in m.items() if np.ndim(v) == 0}, "lr": float(schedule(step - 1)),
                           "tokens_per_s": tps, "wall_s": now - start}
                 write(record)
                 bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{tps:,.0f}")
                 summary["last_loss"] = record["loss"]
                 window_t, window_tokens = time.perf_counter(), 0
             if eval_set and ((t.eval_every and step % t.eval_every == 0) or step == t.steps):
-                t0 = time.perf_counter()
+                e0 = time.perf_counter()
                 e = evaluate(eval_step, params, rest, eval_set)
                 write({"step": step, **e})
                 bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in e.items()))
                 summary.update(e)
-                window_t += time.perf_counter() - t0  # eval time is not training throughput
+                window_t += time.perf_counter() - e0  # eval time is not training throughput
     summary["tokens_per_s"] = timed_tokens / timed_s if timed_s else float("nan")
-    summary["wall_s"] = time.perf_counter() - start
+    summary["train_s"] = time.perf_counter() - start
+    summary["wall_s"] = time.perf_counter() - t0
     print("done: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v:,}" for k, v in summary.items()))
     return summary

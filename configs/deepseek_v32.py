@@ -1,0 +1,54 @@
+"""DeepSeek-V3.2 (`deepseek_v32`): real shapes, SPEC.md A.3. ~685B parameters incl. MTP -- not for CPU.
+
+Differences from GLM-5 that matter: YaRN RoPE (factor 40 from 4096), group-limited routing (8 groups, top-4),
+half-split indexer RoPE, 64 indexer heads, eps 1e-6.
+"""
+import ml_collections
+
+from glmjax.train.config import default_train_config
+
+
+def get_config():
+    c = ml_collections.ConfigDict()
+    c.model = ml_collections.ConfigDict(dict(
+        vocab_size=129280,
+        hidden_size=7168,
+        intermediate_size=18432,
+        moe_intermediate_size=2048,
+        num_hidden_layers=61,
+        first_k_dense_replace=3,
+        num_attention_heads=128,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        n_routed_experts=256,
+        n_shared_experts=1,
+        num_experts_per_tok=8,
+        n_group=8,
+        topk_group=4,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        index_n_heads=64,
+        index_head_dim=128,
+        index_topk=2048,
+        index_topk_freq=1,  # every layer has its own indexer
+        rope_interleave=True,
+        indexer_rope_interleave=False,  # half-split
+        rope_theta=10000.0,
+        rope_scaling=dict(rope_type="yarn", factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0,
+                          beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
+        max_position_embeddings=163840,
+        rms_norm_eps=1e-6,
+        latent_norm_eps=1e-6,
+        indexer_norm_eps=1e-6,
+        num_nextn_predict_layers=1,
+        mtp_depth=1,
+        mtp_loss_weight=0.1,
+        dtype="bfloat16",
+        param_dtype="float32",
+    ))
+    c.train = default_train_config(seq_len=4096, batch_size=256, steps=10000, lr=2e-4, warmup_steps=500,
+                                   mode="sparse", log_every=10, eval_every=500, eval_batches=8)
+    return c

@@ -1,0 +1,144 @@
+"""Every config file loads (as train.py loads it) and validates; invalid model configs fail naming the field."""
+import dataclasses
+import os
+import sys
+
+import jax
+import pytest
+from absl import flags
+from flax import nnx
+from ml_collections import config_flags
+
+from glmjax.config import ConfigError, ModelConfig
+from glmjax.data import ByteTokenizer
+from glmjax.model.moe import RouterBias
+from glmjax.model.transformer import GLM
+from glmjax.train.config import validate_train_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # configs/glm52.py imports configs.glm5, as under `python train.py` from the repo root
+CONFIGS = ["glm5", "glm52", "deepseek_v32", "tiny", "small"]
+
+
+def load(name, *overrides):
+    """Parse `--config=configs/<name>.py [overrides]` through ml_collections' config_flags, like train.py."""
+    argv = ["train.py", f"--config={os.path.join(ROOT, 'configs', name + '.py')}", *overrides]
+    fv = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", None, "config file", flag_values=fv, sys_argv=argv)
+    fv(argv)
+    return fv.config
+
+
+def param_count(cfg):
+    """Parameters (nnx.Param + the router correction biases) of the model, from abstract shapes only."""
+    model = nnx.eval_shape(lambda: GLM(cfg, nnx.Rngs(0)))
+    return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Any(nnx.Param, RouterBias))))
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_config_loads_and_validates(name):
+    c = load(name)
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    assert set(c.model) <= fields
+    cfg = ModelConfig.from_dict(c.model)
+    validate_train_config(c.train, cfg, ByteTokenizer.vocab_size)
+    assert c.train.mode in ("dense", "sparse")
+
+
+def test_overrides_from_the_command_line():
+    c = load("tiny", "--config.model.index_topk=4", "--config.train.steps=7", "--config.train.mode=dense")
+    assert (c.model.index_topk, c.train.steps, c.train.mode) == (4, 7, "dense")
+    assert ModelConfig.from_dict(c.model).index_topk == 4
+
+
+def test_glm5_matches_spec():
+    cfg = ModelConfig.from_dict(load("glm5").model)
+    assert cfg.layer_indexer_types == ("full",) * 78
+    assert cfg.qk_head_dim == 256 and cfg.softmax_scale == 0.0625
+    # SPEC A.1: 753,864,139,008 parameters including the MTP layer (e_score_correction_bias included)
+    assert param_count(cfg) == 753_864_139_008
+
+
+def test_glm52_index_share():
+    cfg = ModelConfig.from_dict(load("glm52").model)
+    full = [i for i, t in enumerate(cfg.layer_indexer_types) if t == "full"]
+    assert full == [0, 1, 2] + list(range(6, 78, 4))
+    assert len(full) == 21 and full[-1] == 74
+    assert (cfg.rope_theta, cfg.max_position_embeddings) == (8e6, 1048576)
+    # SPEC A.2: the 57 shared layers carry no indexer weights: 5.1 total - 57 * 9,371,904
+    assert param_count(cfg) == 753_864_139_008 - 57 * 9_371_904
+
+
+def test_deepseek_v32_matches_spec():
+    cfg = ModelConfig.from_dict(load("deepseek_v32").model)
+    assert cfg.yarn and cfg.n_group == 8 and cfg.topk_group == 4 and not cfg.indexer_rope_interleave
+    assert cfg.softmax_scale == pytest.approx(0.135234, abs=1e-6)  # SPEC A.4
+    # SPEC A.3: 685.4B including an MTP layer with its own embedding/head copies (ours shares them)
+    total = param_count(cfg) + 2 * cfg.vocab_size * cfg.hidden_size
+    assert total == pytest.approx(685.4e9, rel=1e-3)
+
+
+def test_tiny_and_small_exercise_sparse_attention():
+    for name in ("tiny", "small"):
+        c = load(name)
+        assert c.train.mode == "sparse" and c.train.seq_len > c.model.index_topk
+        assert c.model.vocab_size >= ByteTokenizer.vocab_size
+    assert 10e6 <= param_count(ModelConfig.from_dict(load("small").model)) <= 30e6
+
+
+TINY = load("tiny").model.to_dict()
+INVALID = [
+    ("index_topk", {"index_topk": 0}),
+    ("num_attention_heads", {"num_attention_heads": 0}),
+    ("vocab_size", {"vocab_size": 0}),
+    ("n_routed_experts", {"n_routed_experts": 18}),  # not divisible by n_group=4
+    ("n_group", {"n_group": 16}),  # one expert per group
+    ("topk_group", {"topk_group": 5}),  # > n_group
+    ("num_experts_per_tok", {"num_experts_per_tok": 9}),  # > topk_group * experts per group = 8
+    ("indexer_types", {"indexer_types": ["shared", "full", "full", "shared", "full", "shared"]}),
+    ("indexer_types", {"indexer_types": ["full", "shared", "full"]}),  # wrong length
+    ("indexer_types", {"indexer_types": ["full", "fulll", "shared", "shared", "full", "shared"]}),
+    ("indexer_types", {"indexer_types": None, "index_topk_freq": 2, "index_skip_topk_offset": 0}),  # layer 0 shared
+    ("index_topk_freq", {"index_topk_freq": 0}),
+    ("index_skip_topk_offset", {"index_skip_topk_offset": -1}),
+    ("qk_rope_head_dim", {"qk_rope_head_dim": 15}),  # odd
+    ("qk_rope_head_dim", {"qk_rope_head_dim": 64}),  # > index_head_dim=32
+    ("dtype", {"dtype": "float64"}),
+    ("param_dtype", {"param_dtype": "float16"}),
+    ("attention_impl", {"attention_impl": "cuda"}),
+    ("remat", {"remat": "sometimes"}),
+    ("hidden_sizee", {"hidden_sizee": 128}),  # unknown field
+    ("mtp_depth", {"mtp_depth": -1}),
+    ("mtp_loss_weight", {"mtp_loss_weight": -0.1}),
+    ("num_nextn_predict_layers", {"num_nextn_predict_layers": 2}),
+    ("first_k_dense_replace", {"first_k_dense_replace": 7}),
+    ("rope_scaling", {"rope_scaling": {"rope_type": "yarn", "original_max_position_embeddings": 32}}),  # no factor
+    ("rope_scaling", {"rope_scaling": {"rope_type": "yarn", "factor": 0.5, "original_max_position_embeddings": 32}}),
+    ("rope_scaling", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+    ("rms_norm_eps", {"rms_norm_eps": 0.0}),
+    ("rope_theta", {"rope_theta": -1.0}),
+    ("routed_scaling_factor", {"routed_scaling_factor": 0}),
+    ("hidden_size", {"hidden_size": 128.0}),  # not an integer
+    ("norm_topk_prob", {"norm_topk_prob": "yes"}),
+]
+
+
+@pytest.mark.parametrize("field,change", INVALID, ids=[f"{f}-{i}" for i, (f, _) in enumerate(INVALID)])
+def test_invalid_model_config_names_the_field(field, change):
+    with pytest.raises(ConfigError, match=rf"model\.{field}\b"):
+        ModelConfig.from_dict({**TINY, **change})
+
+
+@pytest.mark.parametrize("field,value", [("mode", "fast"), ("seq_len", 0), ("warmup_steps", 300), ("lr", 0.0),
+                                         ("eval_fraction", 1.0), ("seq_len", 512)])
+def test_invalid_train_config_names_the_field(field, value):
+    c = load("tiny")
+    c.train[field] = value
+    with pytest.raises(ConfigError, match=rf"train\.{field}\b"):
+        validate_train_config(c.train, ModelConfig.from_dict(c.model), ByteTokenizer.vocab_size)
+
+
+def test_vocab_too_small_for_the_byte_tokenizer():
+    c = load("tiny", "--config.model.vocab_size=256")
+    with pytest.raises(ConfigError, match=r"model\.vocab_size"):
+        validate_train_config(c.train, ModelConfig.from_dict(c.model), ByteTokenizer.vocab_size)
