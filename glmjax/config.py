@@ -165,6 +165,11 @@ class ModelConfig:
                  f"{self.topk_group * (self.n_routed_experts // self.n_group)}")
         if self.index_n_heads * self.index_head_dim < 1:
             fail("index_n_heads", "must be >= 1")
+        if self.indexer_types is not None and (self.index_topk_freq, self.index_skip_topk_offset) != (1, 2) and \
+                tuple(self.indexer_types) != default_indexer_types(self.num_hidden_layers, self.index_topk_freq,
+                                                                   self.index_skip_topk_offset):
+            fail("indexer_types", f"disagrees with index_topk_freq={self.index_topk_freq} / index_skip_topk_offset="
+                 f"{self.index_skip_topk_offset}: give one of the two")
         types = self.layer_indexer_types
         if len(types) != self.num_hidden_layers:
             fail("indexer_types", f"needs one entry per layer: got {len(types)}, num_hidden_layers="
@@ -190,12 +195,23 @@ class ModelConfig:
             rtype = rs.get("rope_type", rs.get("type"))
             if rtype not in ("yarn", "default"):
                 fail("rope_scaling", "rope_type must be 'yarn' or 'default'")
+            known = {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings", "beta_fast",
+                     "beta_slow", "mscale", "mscale_all_dim", "attention_factor"}
+            unknown = sorted(set(rs) - known)
+            if unknown:
+                fail("rope_scaling", f"unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})")
+            if rtype == "default" and set(rs) - {"rope_type", "type", "rope_theta"}:
+                fail("rope_scaling", "rope_type 'default' takes no scaling parameters (use 'yarn')")
             if rtype == "yarn":
                 missing = [k for k in ("factor", "original_max_position_embeddings") if k not in rs]
                 if missing:
                     fail("rope_scaling", f"yarn needs {missing}")
                 if not rs["factor"] >= 1:
                     fail("rope_scaling", "yarn factor must be >= 1")
+                if not rs["original_max_position_embeddings"] >= 1:
+                    fail("rope_scaling", "yarn original_max_position_embeddings must be >= 1")
+                if not rs.get("beta_fast", 32) > rs.get("beta_slow", 1) > 0:
+                    fail("rope_scaling", "yarn needs beta_fast > beta_slow > 0")
 
 
 ATTENTION_IMPLS = {"xla"}

@@ -120,6 +120,14 @@ INVALID = [
     ("routed_scaling_factor", {"routed_scaling_factor": 0}),
     ("hidden_size", {"hidden_size": 128.0}),  # not an integer
     ("norm_topk_prob", {"norm_topk_prob": "yes"}),
+    ("moe_impl", {"moe_impl": "einsum"}),
+    ("rope_scaling", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 0}}),
+    ("rope_scaling", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                                       "beta_fsat": 32}}),  # typo'd key
+    ("rope_scaling", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                                       "beta_fast": 1, "beta_slow": 32}}),
+    ("rope_scaling", {"rope_scaling": {"rope_type": "default", "factor": 4.0}}),  # factor would be ignored
+    ("indexer_types", {"index_topk_freq": 2, "index_skip_topk_offset": 1}),  # disagrees with the explicit list
 ]
 
 
