@@ -191,3 +191,14 @@ def test_glm5_and_glm52_shapes_plan_into_few_stacks_and_count_exactly():
     assert count(glm5) == 753_864_139_008
     # A.2: shared layers carry no indexer: 57 x 9,371,904 fewer parameters
     assert count(glm5) - count(glm52) == 57 * 9_371_904
+
+
+@pytest.mark.parametrize("remat", ["full", "save_dots"])
+def test_remat_policies_give_the_same_loss_and_gradients(remat):
+    b = random_batch(tiny(), 2, 32, seed=9)
+    grad = nnx.jit(nnx.value_and_grad(lambda m, b: m.loss(b, "sparse")[0]))
+    l0, g0 = grad(GLM(tiny(), nnx.Rngs(3)), b)
+    l1, g1 = grad(GLM(tiny(remat=remat), nnx.Rngs(3)), b)
+    np.testing.assert_allclose(l0, l1, rtol=1e-6)
+    for x, y in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
+        np.testing.assert_allclose(x, y, atol=1e-6, rtol=1e-5)
