@@ -16,6 +16,7 @@ from glmjax.model.indexer import index_logits
 from glmjax.model.layers import apply_rope, dense, rope_tables
 from glmjax.model.mla import MLA, Ctx, dense_mla
 from glmjax.model.moe import MLP, MoE
+from glmjax.model import sparse_attention
 from glmjax.model.sparse_attention import sparse_mla_xla
 from glmjax.model.transformer import MTP
 from helpers import tiny
@@ -155,8 +156,14 @@ MID = dict(vocab_size=2048, hidden_size=512, intermediate_size=1024, moe_interme
            qk_rope_head_dim=32, v_head_dim=64, n_routed_experts=1, n_shared_experts=1, num_experts_per_tok=1,
            n_group=1, topk_group=1, index_n_heads=4, index_head_dim=64, index_topk=64,
            indexer_types=("full", "shared", "full", "shared"), max_position_embeddings=1024, block_q=256,
-           loss_chunk=256, scan_layers=False, num_nextn_predict_layers=1, mtp_depth=1)
+           loss_chunk=256, scan_layers=False, num_nextn_predict_layers=1, mtp_depth=1, moe_impl="ragged_dot")
 B, S = 2, 256
+
+
+@pytest.fixture(autouse=True)
+def one_sparse_block(monkeypatch):
+    """The sparse attention caps its query block by gathered bytes; lift the cap so block_q >= S is one trip."""
+    monkeypatch.setattr(sparse_attention, "gather_block_bytes", lambda: 2 ** 40)
 
 
 def xla_flops(fn, *args):
