@@ -5,6 +5,7 @@ adaptation, ...) are separate configs.
 """
 import ml_collections
 
+from glmjax.optim.config import default_optim_config
 from glmjax.train.config import default_train_config
 
 
@@ -50,6 +51,8 @@ def get_config():
         dtype="bfloat16",
         param_dtype="float32",
     ))
-    c.train = default_train_config(seq_len=4096, batch_size=256, steps=10000, lr=2e-4, warmup_steps=500,
+    # GLM-5 trains with Muon Split (SPEC E.6); the numbers are placeholders for a user's own run.
+    c.optim = default_optim_config(name="muon_split", lr=2e-4, warmup_steps=500)  # total_steps := train.steps
+    c.train = default_train_config(seq_len=4096, batch_size=256, steps=10000,
                                    mode="sparse", log_every=10, eval_every=500, eval_batches=8)
     return c

@@ -2,6 +2,7 @@
 IndexShare every 2nd layer, sequence 256 > index_topk 64."""
 import ml_collections
 
+from glmjax.optim.config import default_optim_config
 from glmjax.train.config import default_train_config
 
 
@@ -35,6 +36,7 @@ def get_config():
         num_nextn_predict_layers=1,
         mtp_depth=1,
     ))
-    c.train = default_train_config(seq_len=256, batch_size=8, steps=500, lr=2e-3, warmup_steps=50,
+    c.optim = default_optim_config(name="adamw", lr=2e-3, warmup_steps=50)  # total_steps := train.steps
+    c.train = default_train_config(seq_len=256, batch_size=8, steps=500,
                                    mode="sparse", log_every=10, eval_every=100, eval_batches=4)
     return c

@@ -5,6 +5,7 @@ seq_len 128 > index_topk 16, so sparse (DSA) attention really selects keys; laye
 """
 import ml_collections
 
+from glmjax.optim.config import default_optim_config
 from glmjax.train.config import default_train_config
 
 
@@ -38,6 +39,7 @@ def get_config():
         num_nextn_predict_layers=1,
         mtp_depth=3,
     ))
-    c.train = default_train_config(seq_len=128, batch_size=8, steps=300, lr=3e-3, warmup_steps=30,
+    c.optim = default_optim_config(name="adamw", lr=3e-3, warmup_steps=30)  # total_steps := train.steps
+    c.train = default_train_config(seq_len=128, batch_size=8, steps=300,
                                    mode="sparse", log_every=10, eval_every=100, eval_batches=4)
     return c

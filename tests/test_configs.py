@@ -137,7 +137,7 @@ def test_invalid_model_config_names_the_field(field, change):
         ModelConfig.from_dict({**TINY, **change})
 
 
-@pytest.mark.parametrize("field,value", [("mode", "fast"), ("seq_len", 0), ("warmup_steps", 300), ("lr", 0.0),
+@pytest.mark.parametrize("field,value", [("mode", "fast"), ("seq_len", 0), ("batch_size", 0), ("bias_update_rate", -1.0),
                                          ("eval_fraction", 1.0), ("seq_len", 512)])
 def test_invalid_train_config_names_the_field(field, value):
     c = load("tiny")
@@ -150,3 +150,12 @@ def test_vocab_too_small_for_the_byte_tokenizer():
     c = load("tiny", "--config.model.vocab_size=256")
     with pytest.raises(ConfigError, match=r"model\.vocab_size"):
         validate_train_config(c.train, ModelConfig.from_dict(c.model), ByteTokenizer.vocab_size)
+
+
+@pytest.mark.parametrize("field,value", [("warmup_steps", 300), ("lr", 0.0), ("name", "sgd"), ("b2", 1.0)])
+def test_invalid_optim_config_names_the_field(field, value):
+    from glmjax.optim import validate_optim_config
+    c = load("tiny")
+    c.optim[field] = value
+    with pytest.raises(ConfigError, match=rf"optim\.{field}\b"):
+        validate_optim_config({**c.optim.to_dict(), "total_steps": c.train.steps})

@@ -14,13 +14,6 @@ def default_train_config(**overrides) -> ml_collections.ConfigDict:
     c.seq_len = 128
     c.batch_size = 8
     c.steps = 300
-    c.lr = 3e-3  # peak of warmup (linear from 0) + cosine decay to lr * end_lr_ratio at `steps`
-    c.warmup_steps = 30
-    c.end_lr_ratio = 0.1
-    c.b1 = 0.9
-    c.b2 = 0.95
-    c.weight_decay = 0.1  # on matrices / embeddings only (not norm weights/biases)
-    c.grad_clip = 1.0  # global-norm clip; 0 disables
     c.mode = "sparse"  # attention mode: "dense" | "sparse" (DSA top-k)
     c.bias_update_rate = 1e-3  # aux-loss-free balancing: bias += rate * sign(mean load - load); 0 disables
     c.log_every = 10
@@ -41,16 +34,11 @@ def validate_train_config(t, model_cfg, tokenizer_vocab: int) -> None:
     for name in ("seq_len", "batch_size", "steps", "log_every"):
         if not isinstance(t[name], int) or t[name] < 1:
             fail(name, "must be an integer >= 1")
-    for name in ("warmup_steps", "eval_every", "eval_batches"):
+    for name in ("eval_every", "eval_batches"):
         if not isinstance(t[name], int) or t[name] < 0:
             fail(name, "must be an integer >= 0")
-    if t.warmup_steps >= t.steps:
-        fail("warmup_steps", f"must be < steps={t.steps}")
-    if not t.lr > 0:
-        fail("lr", "must be > 0")
-    for name in ("weight_decay", "grad_clip", "bias_update_rate", "end_lr_ratio"):
-        if t[name] < 0:
-            fail(name, "must be >= 0")
+    if t.bias_update_rate < 0:
+        fail("bias_update_rate", "must be >= 0")
     if not 0 <= t.eval_fraction < 1:
         fail("eval_fraction", "must be in [0, 1)")
     if t.eval_batches and not t.eval_fraction:

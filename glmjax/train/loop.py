@@ -13,6 +13,7 @@ from tqdm import tqdm
 from glmjax.config import ModelConfig
 from glmjax.data import ByteTokenizer, Packer, load_corpus, split_documents
 from glmjax.model.transformer import GLM, Batch
+from glmjax.optim import validate_optim_config
 from glmjax.train.config import validate_train_config
 from glmjax.train.step import count_params, make_eval_step, make_optimizer, make_train_step, split_model
 
@@ -37,6 +38,7 @@ def train(config, workdir: str, progress: bool = True) -> dict:
     cfg = ModelConfig.from_dict(config.model)
     tok = ByteTokenizer()
     validate_train_config(t, cfg, tok.vocab_size)
+    validate_optim_config({**config.optim.to_dict(), "total_steps": t.steps})
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, "config.json"), "w") as f:
         f.write(config.to_json(indent=2))
@@ -55,7 +57,8 @@ def train(config, workdir: str, progress: bool = True) -> dict:
           f"mode={t.mode}, {t.batch_size}x{t.seq_len} tokens/step, {t.steps} steps")
     del model
 
-    tx, schedule = make_optimizer(t)
+    tx, groups = make_optimizer(params, config.optim, t.steps, cfg)
+    print(groups)
     opt_state = tx.init(params)
     train_step = make_train_step(graphdef, tx, t.mode, t.bias_update_rate)
     eval_step = make_eval_step(graphdef, t.mode)
@@ -83,7 +86,8 @@ def train(config, workdir: str, progress: bool = True) -> dict:
                 else:
                     summary["first_step_s"], summary["first_loss"] = now - start, float(m["loss"])
                 tps = window_tokens / max(now - window_t, 1e-9)
-                record = {"step": step, **{k: float(v) for k, v in m.items() if np.ndim(v) == 0}, "lr": float(schedule(step - 1)),
+                record = {"step": step, **{k: float(v) for k, v in m.items() if np.ndim(v) == 0},
+                          **{f"lr_{g}": float(s(step - 1)) for g, s in groups.schedules.items()},
                           "tokens_per_s": tps, "wall_s": now - start}
                 write(record)
                 bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{tps:,.0f}")

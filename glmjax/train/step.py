@@ -9,13 +9,13 @@ import optax
 from flax import nnx
 
 from glmjax.model.transformer import GLM, Batch
+from glmjax.optim import GroupTable, build_optimizer
 from glmjax.train.router_bias import update_router_bias
 
 # What the LM loss trains: every nnx.Param except the indexers'. Top-k selection is not differentiable and dense
 # mode does not run the indexer, so the LM loss never reaches indexer weights (SPEC E.3); they train only from
 # the indexer KL loss of the DSA stages. Freezing them here keeps weight decay from shrinking them meanwhile.
 TRAINABLE = nnx.All(nnx.Param, nnx.Not(nnx.PathContains("indexer")))
-NO_DECAY = ("weight", "bias")  # norm scales / biases (matrices and embeddings are named after their projection)
 
 
 def split_model(model: GLM):
@@ -27,20 +27,9 @@ def count_params(state) -> int:
     return sum(x.size for x in jax.tree.leaves(state))
 
 
-def decay_mask(params):
-    def keep(path, _):
-        name = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)][-1]
-        return name not in NO_DECAY
-
-    return jax.tree_util.tree_map_with_path(keep, params)
-
-
-def make_optimizer(t) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """AdamW with linear warmup + cosine decay; global-norm clipping first (t = the train config)."""
-    schedule = optax.warmup_cosine_decay_schedule(0.0, t.lr, t.warmup_steps, t.steps, t.lr * t.end_lr_ratio)
-    adamw = optax.adamw(schedule, b1=t.b1, b2=t.b2, weight_decay=t.weight_decay, mask=decay_mask)
-    tx = optax.chain(optax.clip_by_global_norm(t.grad_clip), adamw) if t.grad_clip else adamw
-    return tx, schedule
+def make_optimizer(params, optim_cfg, steps: int, model_cfg) -> tuple[optax.GradientTransformation, GroupTable]:
+    """The config's optimizer (AdamW / Muon / Muon-Split, glmjax.optim) over `params`; its schedules end at `steps`."""
+    return build_optimizer(params, {**optim_cfg.to_dict(), "total_steps": steps}, model_cfg)
 
 
 def load_stats(expert_load):
