@@ -9,7 +9,6 @@ the cached indexer keys (full layers only) and gathers index_topk latent rows.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
 import time
 
@@ -18,15 +17,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from glmjax.config import ModelConfig
+from glmjax.flops import load_model_config
 from glmjax.infer import Decoder
 from glmjax.model import GLM
-
-
-def load_model_config(path: str, **overrides) -> ModelConfig:
-    spec = importlib.util.spec_from_file_location("bench_config", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return ModelConfig.from_dict({**mod.get_config().model.to_dict(), **overrides})
 
 
 def bench(cfg: ModelConfig, context: int, batch: int, steps: int, mode: str, chunk: int = 512):
@@ -63,7 +56,7 @@ def main():
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=16)
     a = ap.parse_args()
-    cfg = load_model_config(a.config, max_position_embeddings=max(a.contexts) + a.steps + 1)
+    cfg = load_model_config(a.config).replace(max_position_embeddings=max(a.contexts) + a.steps + 1)
     print(f"{a.config}: batch {a.batch}, index_topk {cfg.index_topk}, backend {jax.default_backend()}")
     rows = []
     for ctx in a.contexts:
