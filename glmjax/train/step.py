@@ -47,7 +47,7 @@ def make_train_step(graphdef, tx, mode: str, bias_rate: float):
         (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        metrics["grad_norm"] = optax.global_norm(grads)
+        metrics["grad_norm"] = optax.tree.norm(grads)
         load = metrics.pop("expert_load", None)
         if load is not None:
             model = nnx.merge(graphdef, params, rest)
