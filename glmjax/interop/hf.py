@@ -268,6 +268,21 @@ def _classify(cfg: ModelConfig, tensors: Mapping[str, TensorInfo], specs: Mappin
     return missing, unexpected, mismatched, ignored, scales, copies
 
 
+def _read_checkpoint(path, latent_norm_eps, overrides):
+    """config.json + the tensor index of a checkpoint directory -> (raw config, ModelConfig, notes, tensors).
+    A config with an MTP layer but no model.layers.{N}.* tensors (e.g. from save_pretrained) gives no MTP."""
+    with open(os.path.join(path, "config.json")) as f:
+        raw = json.load(f)
+    cfg, notes = config_from_hf(raw, latent_norm_eps=latent_norm_eps, overrides=overrides)
+    tensors = scan_checkpoint(path)
+    N = cfg.num_hidden_layers
+    if cfg.has_mtp and not any(k.startswith(keymap.layer_prefix(N)) for k in tensors):
+        cfg = cfg.replace(num_nextn_predict_layers=0)
+        notes.append(f"config has num_nextn_predict_layers=1 but the checkpoint has no model.layers.{N}.* tensors: "
+                     "model built without the MTP layer")
+    return raw, cfg, notes, tensors
+
+
 def load_hf(path: str, *, sharding: ShardingSpec = None, latent_norm_eps: float | None = keymap.HF_LATENT_NORM_EPS,
             overrides: Mapping[str, Any] | None = None) -> tuple[GLM, HFLayout]:
     """Import an HF checkpoint directory into a GLM model -> (model, layout).
@@ -279,15 +294,8 @@ def load_hf(path: str, *, sharding: ShardingSpec = None, latent_norm_eps: float 
       rms_norm_eps (Megatron / vLLM / SGLang; 1e-5 for GLM-5).
     overrides: ModelConfig fields set after mapping config.json (dtype, param_dtype, mtp_depth, block_q, ...).
     """
-    with open(os.path.join(path, "config.json")) as f:
-        raw = json.load(f)
-    cfg, notes = config_from_hf(raw, latent_norm_eps=latent_norm_eps, overrides=overrides)
-    tensors = scan_checkpoint(path)
+    raw, cfg, notes, tensors = _read_checkpoint(path, latent_norm_eps, overrides)
     N = cfg.num_hidden_layers
-    if cfg.has_mtp and not any(k.startswith(keymap.layer_prefix(N)) for k in tensors):
-        cfg = cfg.replace(num_nextn_predict_layers=0)
-        notes.append(f"config has num_nextn_predict_layers=1 but the checkpoint has no model.layers.{N}.* tensors: "
-                     "model built without the MTP layer")
     graphdef, leaves = _abstract_model(cfg)
     leaf_shapes = {p: tuple(v.shape) for p, v in leaves.items()}
     n_layers = N + (1 if cfg.has_mtp else 0)
@@ -389,13 +397,8 @@ def check_hf(path: str, *, latent_norm_eps: float | None = keymap.HF_LATENT_NORM
              overrides: Mapping[str, Any] | None = None) -> tuple[ModelConfig, list[str]]:
     """Validate names, shapes and dtypes without loading anything -> (ModelConfig, notes); raises
     HFCheckpointError listing every problem."""
-    with open(os.path.join(path, "config.json")) as f:
-        raw = json.load(f)
-    cfg, notes = config_from_hf(raw, latent_norm_eps=latent_norm_eps, overrides=overrides)
-    tensors = scan_checkpoint(path)
+    raw, cfg, notes, tensors = _read_checkpoint(path, latent_norm_eps, overrides)
     N = cfg.num_hidden_layers
-    if cfg.has_mtp and not any(k.startswith(keymap.layer_prefix(N)) for k in tensors):
-        cfg = cfg.replace(num_nextn_predict_layers=0)
     _, leaves = _abstract_model(cfg)
     n_layers = N + (1 if cfg.has_mtp else 0)
     layouts = {i: keymap.detect_expert_layout(tensors, i) for i in range(cfg.first_k_dense_replace, n_layers)}
