@@ -41,7 +41,7 @@ from flax import nnx
 from glmjax.config import ModelConfig
 from glmjax.interop import keymap
 from glmjax.interop.keymap import Spec, config_from_hf, config_to_hf, plan_keys, to_hf, to_ours
-from glmjax.interop.safetensors_io import DTYPE_NAMES, DTYPES, Reader, TensorInfo, read_header, write_file
+from glmjax.interop.safetensors_io import DTYPES, Reader, TensorInfo, read_header, write_file
 from glmjax.model import GLM
 
 log = logging.getLogger("glmjax.interop")

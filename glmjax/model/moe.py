@@ -72,7 +72,7 @@ class MoE(nnx.Module):
 
     def __call__(self, y):
         """y [B,S,D] -> (out [B,S,D], expert load [E] = number of (token, slot) assignments per expert)."""
-        cfg, dt = self.cfg, dtype_of(self.cfg.dtype)
+        cfg = self.cfg
         B, S, D = y.shape
         x = y.reshape(B * S, D)
         logits = jnp.einsum("nd,de->ne", x.astype(f32), self.gate[...].astype(f32))
