@@ -61,7 +61,7 @@ class ModelConfig:
     dtype: str = "float32"  # compute dtype of matmuls; softmax/norm stats/router/indexer weights/losses are f32
     param_dtype: str = "float32"
     moe_impl: str = "auto"  # "auto" (ragged_dot on TPU, blocked elsewhere) | "ragged_dot" | "blocked"
-    attention_impl: str = "xla"  # "xla" (gathered top-k in XLA); the Pallas kernels register as "pallas"
+    attention_impl: str = "xla"  # "xla": top-k + gathered attention in XLA; "pallas": pallas_kernels/ (interpret off TPU)
     block_q: int = 256  # query block of the indexer top-k and the sparse attention (bounds [bq, T] / [bq, k] temps)
     loss_chunk: int = 512  # sequence chunk of the LM-head loss (never [B, S, V] at once)
     scan_layers: bool = True
@@ -214,7 +214,7 @@ class ModelConfig:
                     fail("rope_scaling", "yarn needs beta_fast > beta_slow > 0")
 
 
-ATTENTION_IMPLS = {"xla"}
+ATTENTION_IMPLS = {"xla", "pallas"}
 REMAT_POLICIES = ("none", "full", "save_dots")
 
 

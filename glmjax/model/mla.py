@@ -18,6 +18,14 @@ from glmjax.model.layers import RMSNorm, apply_rope, dense, dtype_of, f32, norma
 from glmjax.model.sparse_attention import sparse_mla_xla
 
 SPARSE_ATTENTION = {"xla": sparse_mla_xla}
+INDEX_TOPK = {"xla": index_topk}
+
+
+def kernels(impl: str):
+    """(index top-k, sparse attention) functions of `attention_impl`; the Pallas kernels register on first use."""
+    if impl not in SPARSE_ATTENTION:
+        import pallas_kernels  # noqa: F401  (adds "pallas" to both tables)
+    return INDEX_TOPK[impl], SPARSE_ATTENTION[impl]
 
 
 class Ctx(NamedTuple):
@@ -76,14 +84,14 @@ class MLA(nnx.Module):
             if ctx.mode == "dense":  # absorbed attention over every visible cache row (SPEC D.2)
                 o_lat = dense_mla_absorbed(q_abs, latent, visible(q_seg, k_seg, q_idx), cfg.softmax_scale, r_kv)
             else:
+                topk_fn, attend = kernels(cfg.attention_impl)
                 if self.indexer is not None:
                     qi, ki, wi = self.indexer(x, q_resid, ctx.cos, ctx.sin)
                     if cache is not None:
                         cache["index_k"] = write_rows(cache["index_k"], ki, ctx.q_idx[:, 0])
                         ki = cache["index_k"]
-                    topk, _ = index_topk(qi, ki, wi, q_seg, k_seg, cfg.index_topk, cfg.block_q, q_idx)
-                o_lat, _ = SPARSE_ATTENTION[cfg.attention_impl](q_abs, latent, topk, scale=cfg.softmax_scale,
-                                                                kv_lora_rank=r_kv, block_q=cfg.block_q)
+                    topk, _ = topk_fn(qi, ki, wi, q_seg, k_seg, cfg.index_topk, cfg.block_q, q_idx)
+                o_lat, _ = attend(q_abs, latent, topk, scale=cfg.softmax_scale, kv_lora_rank=r_kv, block_q=cfg.block_q)
             o = jnp.einsum("bshc,chv->bshv", o_lat, w_uv)
         else:
             raise ValueError(f"attention mode {ctx.mode!r}: must be 'dense' or 'sparse'")
