@@ -94,3 +94,28 @@ def index_topk(q, k, w, q_seg, k_seg, topk: int, block_q: int, q_idx=None):
     ids = jnp.moveaxis(ids, 0, 1).reshape(B, nb * bq, kk)[:, :S]
     vals = jnp.moveaxis(vals, 0, 1).reshape(B, nb * bq, kk)[:, :S]
     return ids, vals
+
+
+def gathered_index_logits(q, k, w, indices, block_q: int = 256):
+    """Index scores at the selected keys only (the sparse-stage indexer loss, SPEC E.3), differentiable.
+    q [B,S,H_I,d_I], k [B,T,d_I], w [B,S,H_I], indices [B,S,k'] (-1 = none) -> [B,S,k'] f32, -inf at -1.
+    O(S·k'·H_I·d_I): query blocks gather their k' key rows, rematerialised in the backward pass."""
+    B, S = q.shape[:2]
+    bq = min(block_q, S)
+    nb = -(-S // bq)
+    pad = nb * bq - S
+
+    def blocks(a):
+        a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2), constant_values=-1 if a.dtype == jnp.int32 else 0)
+        return jnp.moveaxis(a.reshape((B, nb, bq) + a.shape[2:]), 1, 0)
+
+    @jax.checkpoint
+    def one_block(args):
+        qb, wb, ib = args
+        rows = jax.vmap(lambda kk, ids: kk[ids])(k, jnp.maximum(ib, 0))  # [B,bq,k',d_I]
+        s = jnp.einsum("bqhd,bqkd->bqhk", qb, rows, preferred_element_type=f32)
+        s = jnp.einsum("bqhk,bqh->bqk", jax.nn.relu(s), wb) * q.shape[-1] ** -0.5
+        return jnp.where(ib >= 0, s, NEG_INF)
+
+    out = jax.lax.map(one_block, (blocks(q), blocks(w), blocks(indices)))
+    return jnp.moveaxis(out, 0, 1).reshape(B, nb * bq, -1)[:, :S]
