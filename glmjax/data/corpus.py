@@ -1,4 +1,5 @@
-"""Text sources. Each yields documents (name, text) in a deterministic order.
+"""The previous in-memory text loader, kept only while glmjax/train/loop.py imports it (the grain pipeline in
+pipeline.py / sources.py replaces it). Each yields documents (name, text) in a deterministic order.
 
 - the embedded default corpus: the `.py` sources of the running interpreter's standard library
   (site-packages excluded; test directories excluded unless asked), sorted by relative path;
@@ -13,12 +14,10 @@ import dataclasses
 import json
 import logging
 import os
-import sysconfig
+
+from glmjax.data.sources import stdlib_files
 
 log = logging.getLogger(__name__)
-
-NOT_STDLIB = {"site-packages", "dist-packages", "__pycache__"}
-TEST_DIRS = {"test", "tests", "idle_test"}
 
 
 @dataclasses.dataclass
@@ -53,20 +52,11 @@ def load_corpus(path: str | None = None, max_docs: int | None = None, include_te
 
 
 def stdlib_corpus(include_tests: bool = False) -> Corpus:
-    root = sysconfig.get_paths()["stdlib"]
+    root, names = stdlib_files(include_tests)
     corpus = Corpus(f"stdlib:{root}", [])
-    for name in sorted(_walk(root, include_tests)):
+    for name in names:
         _add(corpus, name, _read_bytes(os.path.join(root, name)))
     return corpus
-
-
-def _walk(root: str, include_tests: bool):
-    skip = NOT_STDLIB | (set() if include_tests else TEST_DIRS)
-    for d, dirs, files in os.walk(root):
-        dirs[:] = [x for x in dirs if x not in skip]
-        for f in files:
-            if f.endswith(".py"):
-                yield os.path.relpath(os.path.join(d, f), root)
 
 
 def file_corpus(path: str) -> Corpus:

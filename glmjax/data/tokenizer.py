@@ -1,7 +1,26 @@
-"""Byte-level tokenizer: ids 0..255 are the UTF-8 bytes, then BOS, EOS, PAD. Lossless for any text."""
+"""Tokenizers. The pipeline needs only the `Tokenizer` protocol, so any tokenizer with these members plugs in;
+`make_tokenizer(name)` builds the named built-in one ("byte").
+
+ByteTokenizer: ids 0..255 are the UTF-8 bytes, then BOS, EOS, PAD. Lossless for any text.
+"""
 from __future__ import annotations
 
+from typing import Protocol
+
 import numpy as np
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+    bos_id: int
+    eos_id: int
+    pad_id: int
+
+    def encode(self, text: str, bos: bool = True, eos: bool = True) -> np.ndarray:
+        """text -> int32 ids [n], optionally wrapped in BOS ... EOS."""
+
+    def decode(self, ids) -> str:
+        """ids -> text (special tokens dropped)."""
 
 
 class ByteTokenizer:
@@ -9,6 +28,7 @@ class ByteTokenizer:
     EOS = 257
     PAD = 258
     vocab_size = 259  # the model's vocab_size must be at least this
+    bos_id, eos_id, pad_id = BOS, EOS, PAD
 
     def encode(self, text: str | bytes, bos: bool = True, eos: bool = True) -> np.ndarray:
         """text -> int32 ids [n] (UTF-8 bytes, optionally wrapped in BOS ... EOS)."""
@@ -24,3 +44,12 @@ class ByteTokenizer:
         if ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size):
             raise ValueError(f"token id out of range [0, {self.vocab_size}): {ids.min()}..{ids.max()}")
         return ids[ids < 256].astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+
+TOKENIZERS = {"byte": ByteTokenizer}
+
+
+def make_tokenizer(name: str = "byte") -> Tokenizer:
+    if name not in TOKENIZERS:
+        raise ValueError(f"unknown tokenizer {name!r} (known: {', '.join(TOKENIZERS)})")
+    return TOKENIZERS[name]()
