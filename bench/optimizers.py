@@ -89,9 +89,9 @@ def run(train_step, params0, rest0, tx, batches, peak, steps, warmup, end):
     params, rest = copy(params0), copy(rest0)
     opt_state = set_lr(jax.jit(tx.init)(params), peak, warmup, steps, end)
     out, times = [], []
-    for b in batches[:steps]:
+    for step, b in enumerate(batches[:steps], 1):
         t0 = time.perf_counter()
-        params, rest, opt_state, m = train_step(params, rest, opt_state, to_batch(b))
+        params, rest, opt_state, m = train_step(params, rest, opt_state, to_batch(b), step)
         jax.block_until_ready(m["loss"])
         times.append(time.perf_counter() - t0)
         out.append(m)
@@ -161,7 +161,7 @@ def main(argv=None):
     model = GLM(cfg, nnx.Rngs(t.seed))
     graphdef, params0, rest0 = split_model(model)
     del model
-    eval_step = make_eval_step(graphdef, "dense")
+    eval_step = make_eval_step(graphdef, "pretrain", "dense")
 
     if args.timing_only:
         txs = {n: scheduled(build_optimizer(params0, opt_config(n, config.optim), cfg)[0]) for n in names}
@@ -181,7 +181,7 @@ def main(argv=None):
         tables[name] = table
         print(table, flush=True)
         tx = scheduled(tx)
-        train_step = make_train_step(graphdef, tx, "dense", t.bias_update_rate)
+        train_step = make_train_step(graphdef, tx, "pretrain", "dense", t.bias_update_rate)
         sweeps[name] = {}
         if name in inherits:
             best = results[lr_from[name]]["lr"]

@@ -5,8 +5,9 @@ half-split indexer RoPE, 64 indexer heads, eps 1e-6.
 """
 import ml_collections
 
+from glmjax.data import default_data_config
 from glmjax.optim.config import default_optim_config
-from glmjax.train.config import default_train_config
+from glmjax.train.config import default_train_config, experiment_fields
 
 
 def get_config():
@@ -53,4 +54,5 @@ def get_config():
     c.optim = default_optim_config(name="muon_split", lr=2e-4, warmup_steps=500)  # total_steps := train.steps
     c.train = default_train_config(seq_len=4096, batch_size=256, steps=10000,
                                    mode="sparse", log_every=10, eval_every=500, eval_batches=8)
-    return c
+    c.data = default_data_config()  # None path: the embedded stdlib corpus
+    return experiment_fields(c)  # stage: pretrain

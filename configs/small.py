@@ -2,8 +2,9 @@
 IndexShare every 2nd layer, sequence 256 > index_topk 64."""
 import ml_collections
 
+from glmjax.data import default_data_config
 from glmjax.optim.config import default_optim_config
-from glmjax.train.config import default_train_config
+from glmjax.train.config import default_train_config, experiment_fields
 
 
 def get_config():
@@ -39,4 +40,5 @@ def get_config():
     c.optim = default_optim_config(name="adamw", lr=2e-3, warmup_steps=50)  # total_steps := train.steps
     c.train = default_train_config(seq_len=256, batch_size=8, steps=500,
                                    mode="sparse", log_every=10, eval_every=100, eval_batches=4)
-    return c
+    c.data = default_data_config()  # None path: the embedded stdlib corpus
+    return experiment_fields(c)  # stage: pretrain

@@ -13,6 +13,7 @@ from flax import nnx
 
 from glmjax.config import ModelConfig
 from glmjax.model.layers import LayerNorm, apply_rope, dense, dtype_of, f32, normal_param
+from glmjax.model.sparse_attention import from_blocks, to_blocks
 
 NEG_INF = -jnp.inf
 
@@ -100,14 +101,7 @@ def gathered_index_logits(q, k, w, indices, block_q: int = 256):
     """Index scores at the selected keys only (the sparse-stage indexer loss, SPEC E.3), differentiable.
     q [B,S,H_I,d_I], k [B,T,d_I], w [B,S,H_I], indices [B,S,k'] (-1 = none) -> [B,S,k'] f32, -inf at -1.
     O(S·k'·H_I·d_I): query blocks gather their k' key rows, rematerialised in the backward pass."""
-    B, S = q.shape[:2]
-    bq = min(block_q, S)
-    nb = -(-S // bq)
-    pad = nb * bq - S
-
-    def blocks(a):
-        a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2), constant_values=-1 if a.dtype == jnp.int32 else 0)
-        return jnp.moveaxis(a.reshape((B, nb, bq) + a.shape[2:]), 1, 0)
+    bq = min(block_q, q.shape[1])
 
     @jax.checkpoint
     def one_block(args):
@@ -117,5 +111,21 @@ def gathered_index_logits(q, k, w, indices, block_q: int = 256):
         s = jnp.einsum("bqhk,bqh->bqk", jax.nn.relu(s), wb) * q.shape[-1] ** -0.5
         return jnp.where(ib >= 0, s, NEG_INF)
 
-    out = jax.lax.map(one_block, (blocks(q), blocks(w), blocks(indices)))
-    return jnp.moveaxis(out, 0, 1).reshape(B, nb * bq, -1)[:, :S]
+    out = jax.lax.map(one_block, (to_blocks(q, bq), to_blocks(w, bq), to_blocks(indices, bq)))
+    return from_blocks(out, q.shape[1])
+
+
+def index_kl(p, logits, query_ok):
+    """Indexer distillation loss (SPEC E.2 / E.3): sum over valid queries of KL(p_t || softmax(logits_t)).
+    p [B,S,K] target (rows sum to 1, 0 where masked; no gradient), logits [B,S,K] (-inf where masked),
+    query_ok [B,S] bool -> (sum of KL, number of queries counted) f32."""
+    logq = jax.nn.log_softmax(jnp.where(logits == NEG_INF, -1e30, logits), axis=-1)
+    kl = jnp.sum(jnp.where(p > 0, p * (jnp.log(jnp.where(p > 0, p, 1.0)) - logq), 0.0), axis=-1)
+    ok = query_ok & (jnp.sum(p, axis=-1) > 0)
+    return jnp.sum(jnp.where(ok, kl, 0.0)), jnp.sum(ok).astype(f32)
+
+
+def masked_topk(scores, k: int):
+    """Top-k of scores [B,S,T] (-inf = not a candidate) with the index contract of `index_topk`."""
+    vals, ids = jax.lax.top_k(scores, min(k, scores.shape[-1]))
+    return jnp.where(vals == NEG_INF, -1, ids).astype(jnp.int32)

@@ -13,9 +13,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from glmjax.config import ModelConfig
-from glmjax.model.indexer import Indexer, index_topk, visible
+from glmjax.model.indexer import Indexer, gathered_index_logits, index_scores, index_topk, masked_topk, visible
 from glmjax.model.layers import RMSNorm, apply_rope, dense, dtype_of, f32, normal_param
-from glmjax.model.sparse_attention import sparse_mla_xla
+from glmjax.model.sparse_attention import sparse_attention_probs, sparse_mla_xla
 
 SPARSE_ATTENTION = {"xla": sparse_mla_xla}
 INDEX_TOPK = {"xla": index_topk}
@@ -37,6 +37,8 @@ class Ctx(NamedTuple):
     mode: str  # "dense" | "sparse"
     q_idx: jax.Array | None = None  # [B,S] cache slot of each new token (cache only; consecutive per row)
     kv_valid: jax.Array | None = None  # [B,T] int32, 1 where the cache slot holds a key (after this write)
+    index_loss: bool = False  # training with an indexer KL: layers return its inputs ("attn_p", "index_logits")
+    topk_stats: bool = False  # diagnostics (dense mode): layers return "attn_topk", full layers "index_topk"
 
 
 class MLA(nnx.Module):
@@ -57,7 +59,10 @@ class MLA(nnx.Module):
     def __call__(self, x: jax.Array, ctx: Ctx, topk: jax.Array, cache: dict | None = None):
         """x [B,S,D] (normed), topk [B,S,k'] indices of the previous full layer, cache None (keys = this sequence)
         or {"latent": [B,T,r_kv+d_r], "index_k": [B,T,d_I] on full layers} (the new rows are written first)
-        -> out [B,S,D], topk used, stats {"max_logit": largest attention logit (dense training)}, cache."""
+        -> out [B,S,D], topk used, stats, cache. stats: "max_logit" (largest attention logit, dense training);
+        with ctx.index_loss "attn_p" (head-mean attention probabilities, no gradient: [B,S,T] dense, [B,S,k] over
+        the selected keys sparse) and on full layers "index_logits" (same shape, differentiable); with
+        ctx.topk_stats (dense) "attn_topk" (top-k keys of attn_p) and on full layers "index_topk"."""
         cfg, dt = self.cfg, dtype_of(self.cfg.dtype)
         d_n, r_kv = cfg.qk_nope_head_dim, cfg.kv_lora_rank
         q_resid = self.q_a_layernorm(dense(x, self.q_a_proj[...], "bsd,dr->bsr", dt))
@@ -77,8 +82,19 @@ class MLA(nnx.Module):
 
         stats = {}
         if ctx.mode == "dense" and cache is None:
-            o, stats["max_logit"] = dense_mla(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, ctx.segment_ids,
-                                              cfg.softmax_scale)
+            o, stats["max_logit"], p = dense_mla(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, ctx.segment_ids,
+                                                 cfg.softmax_scale)
+            if ctx.index_loss or ctx.topk_stats:
+                indexer = self.indexer and self.indexer(x, q_resid, ctx.cos, ctx.sin)
+                if ctx.index_loss:
+                    stats["attn_p"] = p
+                    if indexer:
+                        stats["index_logits"] = index_scores(*indexer, q_seg, q_seg)
+                if ctx.topk_stats:
+                    vis = visible(q_seg, q_seg, jnp.arange(x.shape[1]))
+                    stats["attn_topk"] = masked_topk(jnp.where(vis, p, -jnp.inf), cfg.index_topk)
+                    if indexer:
+                        stats["index_topk"] = index_topk(*indexer, q_seg, q_seg, cfg.index_topk, cfg.block_q)[0]
         elif ctx.mode in ("dense", "sparse"):
             q_abs = jnp.concatenate([jnp.einsum("bshd,chd->bshc", q_nope, w_uk), q_pe], axis=-1)  # [B,S,H,576]
             if ctx.mode == "dense":  # absorbed attention over every visible cache row (SPEC D.2)
@@ -91,7 +107,12 @@ class MLA(nnx.Module):
                         cache["index_k"] = write_rows(cache["index_k"], ki, ctx.q_idx[:, 0])
                         ki = cache["index_k"]
                     topk, _ = topk_fn(qi, ki, wi, q_seg, k_seg, cfg.index_topk, cfg.block_q, q_idx)
-                o_lat, _ = attend(q_abs, latent, topk, scale=cfg.softmax_scale, kv_lora_rank=r_kv, block_q=cfg.block_q)
+                o_lat, lse = attend(q_abs, latent, topk, scale=cfg.softmax_scale, kv_lora_rank=r_kv, block_q=cfg.block_q)
+                if ctx.index_loss and cache is None:
+                    stats["attn_p"] = sparse_attention_probs(q_abs, latent, topk, lse, scale=cfg.softmax_scale,
+                                                             block_q=cfg.block_q)
+                    if self.indexer is not None:
+                        stats["index_logits"] = gathered_index_logits(qi, ki, wi, topk, cfg.block_q)
             o = jnp.einsum("bshc,chv->bshv", o_lat, w_uv)
         else:
             raise ValueError(f"attention mode {ctx.mode!r}: must be 'dense' or 'sparse'")
@@ -111,8 +132,8 @@ def dense_mla_absorbed(q_abs, latent, vis, scale, r_kv):
 
 
 def dense_mla(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, segment_ids, scale):
-    """Causal MLA with keys/values expanded per head -> out [B,S,H,d_v], max logit (scalar, no gradient).
-    Builds [B,H,S,T] logits: the dense baseline."""
+    """Causal MLA with keys/values expanded per head -> out [B,S,H,d_v], max logit (scalar, no gradient), head-mean
+    probabilities [B,S,T] (no gradient; unused outputs cost nothing under jit). Builds [B,H,S,T]: the dense baseline."""
     k_nope = jnp.einsum("btc,chd->bthd", c_kv, w_uk)
     v = jnp.einsum("btc,chv->bthv", c_kv, w_uv)
     logits = jnp.einsum("bshd,bthd->bhst", q_nope, k_nope, preferred_element_type=f32)
@@ -120,4 +141,5 @@ def dense_mla(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, segment_ids, scale):
     S = q_nope.shape[1]
     logits = jnp.where(visible(segment_ids, segment_ids, jnp.arange(S))[:, None], logits, -jnp.inf)
     p = jax.nn.softmax(logits, axis=-1)
-    return jnp.einsum("bhst,bthv->bshv", p.astype(v.dtype), v), jax.lax.stop_gradient(jnp.max(logits))
+    out = jnp.einsum("bhst,bthv->bshv", p.astype(v.dtype), v)
+    return out, jax.lax.stop_gradient(jnp.max(logits)), jax.lax.stop_gradient(jnp.mean(p, axis=1))

@@ -1,10 +1,27 @@
 """Feed-forward blocks (SPEC B.9): SwiGLU MLP, and the sigmoid-routed MoE with aux-loss-free correction bias,
 group-limited top-k, normalisation, routed scaling and a shared expert.
 
-Experts run dropless with a sort-based dispatch: `jax.lax.ragged_dot` on TPU, a block-padded grouped matmul
-elsewhere (no one-hot [tokens, experts] einsum on either path).
+Experts run with a sort-based dispatch: (token, slot) pairs are sorted by expert and multiplied group by group --
+`jax.lax.ragged_dot` on TPU, a block-padded grouped matmul elsewhere (no one-hot [tokens, experts] einsum anywhere).
+
+On a device mesh (the abstract mesh in context, see `glmjax/parallel/sharding.py::with_mesh`) the experts run
+inside `shard_map`: every device routes and sorts its own tokens; expert weights are gathered over the axes that
+split their model width (FSDP) and their hidden width stays split over "tensor" (partial outputs, one psum).
+With an `expert` axis > 1 the experts themselves are split (expert parallelism): each device sends its sorted
+rows to the devices owning their experts (all-to-all), those run their local experts and send the results back.
+
+  dispatch "all_to_all"        fixed [EP, C] slots per (source, destination) pair, `lax.all_to_all`
+  dispatch "ragged_all_to_all" rows packed per destination, `lax.ragged_all_to_all` (TPU; XLA:CPU lacks it)
+  capacity (moe_capacity_factor = 0: dropless) C = n * min(K_e, E / EP) rows per pair for n local tokens -- the
+           most a shard can receive from one source, since a token's K_e experts are distinct -- so nothing is
+           dropped; factor f > 0: C = ceil(f * n * K_e / EP) and (token, slot) rows past it contribute zero.
+
+Dropless results equal the single-device MoE up to float summation order (the "tensor" psum); the expert load
+is computed from the global routing outside the shard_map, so it is the global load on any mesh.
 """
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +30,10 @@ from flax import nnx
 
 from glmjax.config import ModelConfig
 from glmjax.model.layers import dense, dtype_of, f32, normal_param
+from glmjax.parallel.rules import batch_axes, logical_spec
+
+EXPERT_IN_AXES = ("experts", "embed", "expert_mlp")  # experts_gate / experts_up [E, D, I]
+EXPERT_OUT_AXES = ("experts", "expert_mlp", "embed")  # experts_down [E, I, D]
 
 
 class RouterBias(nnx.Variable):
@@ -65,9 +86,9 @@ class MoE(nnx.Module):
         self.gate = normal_param(rngs, (D, E), ("embed", "experts_router"), cfg)
         self.e_score_correction_bias = RouterBias(jnp.zeros((E,), f32), out_sharding=("experts_router",),
                                                   eager_sharding=False)
-        self.experts_gate = normal_param(rngs, (E, D, I), ("experts", "embed", "expert_mlp"), cfg)
-        self.experts_up = normal_param(rngs, (E, D, I), ("experts", "embed", "expert_mlp"), cfg)
-        self.experts_down = normal_param(rngs, (E, I, D), ("experts", "expert_mlp", "embed"), cfg)
+        self.experts_gate = normal_param(rngs, (E, D, I), EXPERT_IN_AXES, cfg)
+        self.experts_up = normal_param(rngs, (E, D, I), EXPERT_IN_AXES, cfg)
+        self.experts_down = normal_param(rngs, (E, I, D), EXPERT_OUT_AXES, cfg)
         self.shared_experts = MLP(cfg, I * cfg.n_shared_experts, rngs) if cfg.n_shared_experts else None
 
     def __call__(self, y):
@@ -77,29 +98,164 @@ class MoE(nnx.Module):
         x = y.reshape(B * S, D)
         logits = jnp.einsum("nd,de->ne", x.astype(f32), self.gate[...].astype(f32))
         weights, ids = route(cfg, logits, self.e_score_correction_bias[...])
-        out = self.experts(x, ids, weights)
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.empty or mesh.size == 1:
+            out = self.experts(x, ids, weights)
+        else:
+            out = self.sharded_experts(x, ids, weights, mesh)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x).astype(f32)
         load = jnp.zeros((cfg.n_routed_experts,), jnp.int32).at[ids.reshape(-1)].add(1)
         return out.astype(y.dtype).reshape(B, S, D), load
 
+    def weights(self):
+        dt = dtype_of(self.cfg.dtype)
+        return tuple(a[...].astype(dt) for a in (self.experts_gate, self.experts_up, self.experts_down))
+
     def experts(self, x, ids, weights):
         """Dropless sort-based dispatch: x [N,D], ids/weights [N,K_e] -> sum_k w_k * Expert_{id_k}(x) [N,D] f32."""
-        dt = dtype_of(self.cfg.dtype)
+        return local_experts(self.cfg, x, ids, weights, *self.weights())
+
+    def sharded_experts(self, x, ids, weights, mesh):
+        """`experts` on a mesh: tokens split over the batch axes, experts over `expert` (see the module doc)."""
+        cfg = self.cfg
         N, K = ids.shape
-        E = self.cfg.n_routed_experts
-        flat = ids.reshape(-1)
-        order = jnp.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
-        group_sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
-        xs = x[order // K].astype(dt)
-        impl = self.cfg.moe_impl
-        if impl == "auto":
-            impl = "ragged_dot" if jax.default_backend() == "tpu" else "blocked"
-        mm = grouped_matmul_ragged if impl == "ragged_dot" else grouped_matmul_blocked
-        w = [a[...].astype(dt) for a in (self.experts_gate, self.experts_up, self.experts_down)]
-        h = mm(jax.nn.silu(mm(xs, w[0], group_sizes)) * mm(xs, w[1], group_sizes), w[2], group_sizes)
-        ys = jnp.zeros((N * K, x.shape[-1]), h.dtype).at[order].set(h)  # back to (token, slot) order
-        return jnp.einsum("nkd,nk->nd", ys.reshape(N, K, -1).astype(f32), weights)
+        wg, wu, wd = self.weights()
+        in_spec = logical_spec(EXPERT_IN_AXES, wg.shape, mesh)
+        out_spec = logical_spec(EXPERT_OUT_AXES, wd.shape, mesh)
+        e_axes, d_axes, i_axes = (_axes(in_spec, i) for i in range(3))
+        if (_axes(out_spec, 0), _axes(out_spec, 1), _axes(out_spec, 2)) != (e_axes, i_axes, d_axes):
+            raise ValueError(f"sharding rules split experts_gate {in_spec} and experts_down {out_spec} differently")
+        tok_axes = batch_axes(mesh)
+        if not set(e_axes) <= set(tok_axes) or set(i_axes) & set(tok_axes) or len(e_axes) > 1:
+            raise ValueError(f"expert parallelism needs the experts split over one mesh axis that also splits "
+                             f"tokens, and the expert hidden over axes that do not: experts {e_axes}, hidden "
+                             f"{i_axes}, tokens {tok_axes}")
+        shards = math.prod(mesh.shape[a] for a in tok_axes)
+        pad = -N % shards  # e.g. decoding one token on many devices: pad rows, weight 0, distinct experts 0..K-1
+        if pad:
+            x = jnp.pad(x, ((0, pad), (0, 0)))
+            ids = jnp.concatenate([ids, jnp.broadcast_to(jnp.arange(K, dtype=ids.dtype), (pad, K))])
+            weights = jnp.pad(weights, ((0, pad), (0, 0)))
+        ep = e_axes[0] if e_axes else None
+        EP = mesh.shape[ep] if ep else 1
+        dispatch = cfg.moe_dispatch
+        if dispatch == "auto":
+            dispatch = "ragged_all_to_all" if jax.default_backend() == "tpu" else "all_to_all"
+
+        def body(x, ids, w, wg, wu, wd):
+            if d_axes:  # FSDP: gather the model width of this shard's experts (the backward reduce-scatters)
+                wg, wu = (jax.lax.all_gather(a, d_axes, axis=1, tiled=True) for a in (wg, wu))
+                wd = jax.lax.all_gather(wd, d_axes, axis=2, tiled=True)
+            if EP == 1:
+                out = local_experts(cfg, x, ids, w, wg, wu, wd)
+            else:
+                n = x.shape[0]
+                cap = n * min(K, wg.shape[0]) if not cfg.moe_capacity_factor else \
+                    max(1, math.ceil(cfg.moe_capacity_factor * n * K / EP))
+                route_fn = ragged_all_to_all_experts if dispatch == "ragged_all_to_all" else all_to_all_experts
+                ys = route_fn(cfg, x, ids, (wg, wu, wd), ep, EP, cap)
+                out = jnp.einsum("nkd,nk->nd", ys.reshape(n, K, -1).astype(f32), w)
+            return jax.lax.psum(out, i_axes) if i_axes else out  # expert hidden split: partial sums
+
+        tok = jax.sharding.PartitionSpec(tok_axes)
+        out = jax.shard_map(body, in_specs=(tok, tok, tok, in_spec, in_spec, out_spec), out_specs=tok)(
+            x, ids, weights, wg, wu, wd)
+        return out[:N]
+
+
+def _axes(spec, i) -> tuple[str, ...]:
+    a = spec[i] if i < len(spec) else None
+    return () if a is None else (a,) if isinstance(a, str) else tuple(a)
+
+
+def grouped_matmul(cfg: ModelConfig):
+    impl = cfg.moe_impl
+    if impl == "auto":
+        impl = "ragged_dot" if jax.default_backend() == "tpu" else "blocked"
+    return grouped_matmul_ragged if impl == "ragged_dot" else grouped_matmul_blocked
+
+
+def expert_ffn(cfg: ModelConfig, xs, group_sizes, wg, wu, wd):
+    """SwiGLU of rows sorted by expert: xs [M,D], group_sizes [E] (rows past their sum give 0) -> [M,D]."""
+    mm = grouped_matmul(cfg)
+    return mm(jax.nn.silu(mm(xs, wg, group_sizes)) * mm(xs, wu, group_sizes), wd, group_sizes)
+
+
+def local_experts(cfg: ModelConfig, x, ids, weights, wg, wu, wd):
+    """x [N,D], ids/weights [N,K_e], weights of all E experts -> sum_k w_k * Expert_{id_k}(x) [N,D] f32."""
+    N, K = ids.shape
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
+    group_sizes = jnp.bincount(flat, length=wg.shape[0]).astype(jnp.int32)
+    h = expert_ffn(cfg, x[order // K].astype(wg.dtype), group_sizes, wg, wu, wd)
+    ys = jnp.zeros((N * K, x.shape[-1]), h.dtype).at[order].set(h)  # back to (token, slot) order
+    return jnp.einsum("nkd,nk->nd", ys.reshape(N, K, -1).astype(f32), weights)
+
+
+def _sort_by_expert(ids, E_local):
+    """Local (token, slot) pairs sorted by expert -> (order, sorted expert ids, destination shard of each)."""
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sorted_ids = flat[order]
+    return order, sorted_ids, sorted_ids // E_local
+
+
+def _run_received(cfg, rows, local_ids, w):
+    """Rows received by this shard with their local expert ids (E_local = padding) -> results, same layout."""
+    wg = w[0]
+    order = jnp.argsort(local_ids, stable=True)
+    group_sizes = jnp.bincount(local_ids, length=wg.shape[0]).astype(jnp.int32)
+    h = expert_ffn(cfg, rows[order], group_sizes, *w)
+    return jnp.zeros_like(h).at[order].set(h)
+
+
+def all_to_all_experts(cfg, x, ids, w, axis, EP, cap):
+    """Expert parallelism with fixed slots: x [n,D], ids [n,K] (global expert ids), w = this shard's experts
+    (wg, wu, wd) [E/EP, ...] -> rows [n*K, D] in (token, slot) order (zeros for rows past the capacity)."""
+    n, K = ids.shape
+    E_local = w[0].shape[0]
+    order, sorted_ids, dest = _sort_by_expert(ids, E_local)
+    counts = jnp.bincount(dest, length=EP)
+    rank = jnp.arange(n * K) - (jnp.cumsum(counts) - counts)[dest]  # position among the rows for `dest`
+    slot = jnp.where(rank < cap, dest * cap + rank, EP * cap)  # EP * cap = dropped
+    xs = x[order // K].astype(w[0].dtype)
+    send = jnp.zeros((EP * cap, x.shape[-1]), xs.dtype).at[slot].set(xs, mode="drop")
+    send_ids = jnp.full((EP * cap,), E_local, jnp.int32).at[slot].set(sorted_ids % E_local, mode="drop")
+    recv = jax.lax.all_to_all(send, axis, 0, 0, tiled=True)  # [EP * cap, D]: block i came from shard i
+    recv_ids = jax.lax.all_to_all(send_ids, axis, 0, 0, tiled=True)
+    back = jax.lax.all_to_all(_run_received(cfg, recv, recv_ids, w), axis, 0, 0, tiled=True)
+    ys_sorted = back.at[slot].get(mode="fill", fill_value=0)
+    return jnp.zeros_like(ys_sorted).at[order].set(ys_sorted)
+
+
+def ragged_all_to_all_experts(cfg, x, ids, w, axis, EP, cap):
+    """`all_to_all_experts` with rows packed per destination (`lax.ragged_all_to_all`): each shard receives into
+    EP * cap rows, source after source; rows past that are dropped (none when dropless)."""
+    n, K = ids.shape
+    E_local = w[0].shape[0]
+    R = EP * cap
+    order, sorted_ids, dest = _sort_by_expert(ids, E_local)
+    sizes = jnp.bincount(dest, length=EP).astype(jnp.int32)  # rows for each destination
+    in_off = (jnp.cumsum(sizes) - sizes).astype(jnp.int32)
+    S = jax.lax.all_gather(sizes, axis)  # [source, destination]
+    me = jax.lax.axis_index(axis)
+    at = jnp.cumsum(S, axis=0) - S  # at[i, j]: where source i's rows start in destination j's buffer
+    send = jnp.clip(R - at[me], 0, sizes).astype(jnp.int32)  # what fits at each destination
+    recv = jnp.clip(R - at[:, me], 0, S[:, me]).astype(jnp.int32)
+    out_off, recv_off = at[me].astype(jnp.int32), at[:, me].astype(jnp.int32)
+    xs = x[order // K].astype(w[0].dtype)
+    D = x.shape[-1]
+    rows = ragged_all_to_all(xs, jnp.zeros((R, D), xs.dtype), in_off, send, out_off, recv, axis_name=axis)
+    local_ids = ragged_all_to_all((sorted_ids % E_local).astype(jnp.int32), jnp.full((R,), E_local, jnp.int32),
+                                  in_off, send, out_off, recv, axis_name=axis)
+    src_off = (jnp.cumsum(S, axis=1) - S)[:, me].astype(jnp.int32)  # where my rows sit in each source's buffer
+    ys_sorted = ragged_all_to_all(_run_received(cfg, rows, local_ids, w), jnp.zeros((n * K, D), xs.dtype),
+                                  recv_off, recv, src_off, send, axis_name=axis)
+    return jnp.zeros_like(ys_sorted).at[order].set(ys_sorted)
+
+
+ragged_all_to_all = jax.lax.ragged_all_to_all  # module attribute: tests swap in an all_gather emulation on CPU
 
 
 def grouped_matmul_ragged(xs, w, group_sizes):
@@ -111,7 +267,8 @@ def grouped_matmul_ragged(xs, w, group_sizes):
 def grouped_matmul_blocked(xs, w, group_sizes):
     """Same result as `grouped_matmul_ragged` with static shapes and no dense fallback: every group is padded to a
     multiple of a row block `bm`, so each block belongs to one group and is one [bm,D] x [D,F] matmul.
-    Padding costs at most E*(bm-1) extra rows; bm ~ the mean group size keeps that <= M."""
+    Padding costs at most E*(bm-1) extra rows; bm ~ the mean group size keeps that <= M. Rows past
+    sum(group_sizes) (receive buffers of expert parallelism) give 0, as with ragged_dot."""
     M, D = xs.shape
     E = w.shape[0]
     bm = int(min(512, max(8, 2 ** int(np.log2(max(M // E, 1))))))
@@ -120,8 +277,9 @@ def grouped_matmul_blocked(xs, w, group_sizes):
     ends = jnp.cumsum(padded)
     start, pstart = jnp.cumsum(group_sizes) - group_sizes, ends - padded
     group = jnp.repeat(jnp.arange(E), group_sizes, total_repeat_length=M)  # group of each sorted row
-    dest = pstart[group] + jnp.arange(M) - start[group]  # row -> padded slot
-    xp = jnp.zeros((nb * bm, D), xs.dtype).at[dest].set(xs)
+    used = jnp.arange(M) < jnp.sum(group_sizes)
+    dest = jnp.where(used, pstart[group] + jnp.arange(M) - start[group], nb * bm)  # row -> padded slot
+    xp = jnp.zeros((nb * bm, D), xs.dtype).at[dest].set(xs, mode="drop")
     block_group = jnp.minimum(jnp.searchsorted(ends, jnp.arange(nb) * bm, side="right"), E - 1)
     out = jnp.einsum("jbd,jdf->jbf", xp.reshape(nb, bm, D), w[block_group])
-    return out.reshape(nb * bm, -1)[dest]
+    return out.reshape(nb * bm, -1).at[dest].get(mode="fill", fill_value=0)

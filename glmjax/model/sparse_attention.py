@@ -26,14 +26,7 @@ def sparse_mla_xla(q, kv, indices, *, scale: float, kv_lora_rank: int, block_q: 
     Queries go in blocks of at most block_q rows and at most gather_block_bytes() of gathered rows."""
     B, S, H, _ = q.shape
     R = kv_lora_rank
-    per_query = B * indices.shape[-1] * kv.shape[-1] * kv.dtype.itemsize  # gathered bytes per query row
-    bq = max(1, min(block_q, S, gather_block_bytes() // per_query))
-    nb = -(-S // bq)
-    pad = nb * bq - S
-
-    def blocks(a):
-        a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2), constant_values=-1 if a.dtype == jnp.int32 else 0)
-        return jnp.moveaxis(a.reshape((B, nb, bq) + a.shape[2:]), 1, 0)
+    bq = query_block(kv, indices, block_q)
 
     @jax.checkpoint
     def one_block(args):
@@ -51,7 +44,43 @@ def sparse_mla_xla(q, kv, indices, *, scale: float, kv_lora_rank: int, block_q: 
         lse = jnp.where(l > 0, m[..., 0] + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
         return o.astype(q.dtype), lse
 
-    out, lse = jax.lax.map(one_block, (blocks(q), blocks(indices)))
-    out = jnp.moveaxis(out, 0, 1).reshape(B, nb * bq, H, R)[:, :S]
-    lse = jnp.moveaxis(lse, 0, 1).reshape(B, nb * bq, H)[:, :S]
-    return out, lse
+    out, lse = jax.lax.map(one_block, (to_blocks(q, bq), to_blocks(indices, bq)))
+    return from_blocks(out, S), from_blocks(lse, S)
+
+
+def query_block(kv, indices, block_q: int) -> int:
+    """Rows per query block: at most block_q, and at most gather_block_bytes() of gathered latent rows."""
+    per_query = indices.shape[0] * indices.shape[-1] * kv.shape[-1] * kv.dtype.itemsize
+    return max(1, min(block_q, indices.shape[1], gather_block_bytes() // per_query))
+
+
+def to_blocks(a, bq: int):
+    """[B,S,...] -> [nb,B,bq,...], the tail padded (with -1 for int32 index arrays, else 0)."""
+    B, S = a.shape[:2]
+    nb = -(-S // bq)
+    fill = -1 if a.dtype == jnp.int32 else 0
+    a = jnp.pad(a, [(0, 0), (0, nb * bq - S)] + [(0, 0)] * (a.ndim - 2), constant_values=fill)
+    return jnp.moveaxis(a.reshape((B, nb, bq) + a.shape[2:]), 1, 0)
+
+
+def from_blocks(a, S: int):
+    """[nb,B,bq,...] -> [B,S,...]."""
+    a = jnp.moveaxis(a, 0, 1)
+    return a.reshape((a.shape[0], -1) + a.shape[3:])[:, :S]
+
+
+def sparse_attention_probs(q, kv, indices, lse, *, scale: float, block_q: int = 256):
+    """Head-mean attention probabilities over the selected keys [B,S,k] f32 (0 at -1 slots), no gradient: the
+    main-attention target of the sparse-stage indexer loss (SPEC E.3). lse [B,S,H] from the attention forward."""
+    q, kv, lse = jax.lax.stop_gradient((q, kv, lse))
+    bq = query_block(kv, indices, block_q)
+
+    def one_block(args):
+        qb, ib, lb = args
+        rows = jax.vmap(lambda cache, ids: cache[ids])(kv, jnp.maximum(ib, 0))
+        s = jnp.einsum("bqhc,bqkc->bqhk", qb, rows, preferred_element_type=f32) * scale
+        p = jnp.where((ib >= 0)[:, :, None, :] & jnp.isfinite(lb)[..., None], jnp.exp(s - lb[..., None]), 0.0)
+        return jnp.mean(p, axis=2)
+
+    return from_blocks(jax.lax.map(one_block, (to_blocks(q, bq), to_blocks(indices, bq), to_blocks(lse, bq))),
+                       indices.shape[1])

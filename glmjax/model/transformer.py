@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from glmjax.config import ModelConfig
+from glmjax.model.indexer import index_kl
 from glmjax.model.layers import RMSNorm, dense, dtype_of, f32, normal_param, rope_tables
 from glmjax.model.mla import MLA, Ctx
 from glmjax.model.moe import MLP, MoE
@@ -87,7 +88,18 @@ class Unit(nnx.Module):
             h, topk, aux, c = layer(h, topk, ctx, None if caches is None else caches[j])
             auxs.append(aux)
             new_caches.append(c)
+        if ctx.index_loss:
+            unit_index_loss(auxs, ctx)
         return h, topk, stack_aux(auxs), (None if caches is None else new_caches)
+
+
+def unit_index_loss(auxs: list[dict], ctx: Ctx) -> None:
+    """The unit's full layer distils its indexer toward the mean attention distribution of every layer it serves
+    (itself and the shared layers after it: SPEC E.4; a lone full layer is E.2 / E.3). Replaces the layers'
+    "attn_p" / "index_logits" by "index_kl_sum" / "index_kl_tokens" on the full layer (in place)."""
+    target = jnp.mean(jnp.stack([a.pop("attn_p") for a in auxs]), axis=0)
+    auxs[0]["index_kl_sum"], auxs[0]["index_kl_tokens"] = index_kl(target, auxs[0].pop("index_logits"),
+                                                                   ctx.segment_ids > 0)
 
 
 def stack_aux(auxs: list[dict]) -> dict:
@@ -162,6 +174,8 @@ class MTP(nnx.Module):
         u = dense(u, self.eh_proj[...], "bsd,de->bse", dtype)
         topk0 = jnp.full(u.shape[:2] + (0,), -1, jnp.int32)
         h, _, aux, _ = self.layer(u, topk0, ctx)
+        if ctx.index_loss:
+            unit_index_loss([aux], ctx)
         return self.shared_head_norm(h), aux
 
 
@@ -183,13 +197,15 @@ class GLM(nnx.Module):
         self.lm_head = normal_param(rngs, (D, V), ("embed", "vocab"), cfg)
         self.mtp = MTP(cfg, rngs) if cfg.has_mtp else None
 
-    def ctx(self, batch: Batch, mode: str) -> Ctx:
+    def ctx(self, batch: Batch, mode: str, **flags) -> Ctx:
         cos, sin = rope_tables(batch.positions, self.cfg)
-        return Ctx(cos, sin, batch.segment_ids, mode)
+        return Ctx(cos, sin, batch.segment_ids, mode, **flags)
 
-    def __call__(self, batch: Batch, mode: str = "dense"):
-        """-> final post-norm hidden [B,S,D], aux {"expert_load": [L_moe, E], "max_logit": [L] (dense mode)}."""
-        h, aux, _ = self.trunk(batch.tokens, self.ctx(batch, mode), None)
+    def __call__(self, batch: Batch, mode: str = "dense", **flags):
+        """-> final post-norm hidden [B,S,D], aux {"expert_load": [L_moe, E], "max_logit": [L] (dense mode),
+        with index_loss=True "index_kl_sum" / "index_kl_tokens" [full layers], with topk_stats=True (dense)
+        "attn_topk" [L,B,S,k] and "index_topk" [full layers,B,S,k]} (flags: see Ctx)."""
+        h, aux, _ = self.trunk(batch.tokens, self.ctx(batch, mode, **flags), None)
         return h, aux
 
     def trunk(self, tokens, ctx: Ctx, caches):
@@ -209,10 +225,14 @@ class GLM(nnx.Module):
         """Full logits [.., V] f32 -- for inspection and decoding; training uses `token_nll` (chunked)."""
         return jnp.einsum("...d,dv->...v", h, self.lm_head[...].astype(h.dtype), preferred_element_type=f32)
 
-    def loss(self, batch: Batch, mode: str = "dense"):
-        """L = CE_main + mtp_loss_weight / D * sum_k CE_k (SPEC E.1, E.5). -> (loss, metrics dict)."""
+    def loss(self, batch: Batch, mode: str = "dense", lm_weight: float = 1.0, index_loss_weight: float = 0.0):
+        """L = lm_weight * (CE_main + mtp_loss_weight / D * sum_k CE_k) (SPEC E.1, E.5)
+             + index_loss_weight * sum over indexers of their token-mean KL (E.2 dense / E.3 sparse / E.4 shared).
+        The KL reaches only indexer weights and the LM terms never do (detached indexer inputs, stop-gradient
+        targets, non-differentiable top-k), so one sum serves every stage. -> (loss, metrics dict)."""
         cfg = self.cfg
-        h, aux = self(batch, mode)
+        with_kl = index_loss_weight > 0
+        h, aux = self(batch, mode, index_loss=with_kl)
         targets, valid = shifted_targets(batch, 1)
         nll = token_nll(h, self.lm_head[...], targets, cfg.loss_chunk)
         lm_sum, lm_count = jnp.sum(nll * valid), jnp.sum(valid)
@@ -222,20 +242,27 @@ class GLM(nnx.Module):
         if "max_logit" in aux:
             metrics["max_attn_logit"] = jnp.max(aux["max_logit"])
         if self.mtp is not None:
-            mtp_losses, mtp_aux = self.mtp_losses(batch, h, mode)
+            mtp_losses, mtp_aux = self.mtp_losses(batch, h, mode, with_kl)
             loss = loss + cfg.mtp_loss_weight / cfg.mtp_depth * jnp.sum(mtp_losses)
             metrics["mtp_loss"] = jnp.mean(mtp_losses)
-            aux = concat_aux([aux, {"expert_load": mtp_aux["expert_load"]}])
+            aux = concat_aux([aux, {k: mtp_aux[k] for k in ("expert_load", "index_kl_sum", "index_kl_tokens")
+                                    if k in mtp_aux}])
+        loss = lm_weight * loss
+        if with_kl:  # per indexer (trunk full layers, then the MTP indexer per depth): token-mean KL
+            kl = aux["index_kl_sum"] / jnp.maximum(aux["index_kl_tokens"], 1.0)
+            loss = loss + index_loss_weight * jnp.sum(kl)
+            metrics["index_kl"] = jnp.mean(kl)
+            metrics["index_kl_per_layer"] = kl
         metrics["loss"] = loss
         if "expert_load" in aux:
             metrics["expert_load"] = aux["expert_load"]  # [L_moe (+ mtp_depth), E], layer order, MTP depths last
         return loss, metrics
 
-    def mtp_losses(self, batch: Batch, h, mode: str):
+    def mtp_losses(self, batch: Batch, h, mode: str, index_loss: bool = False):
         """Per-depth CE [mtp_depth] and the MTP layer's aux per depth (expert load [D_mtp, E]). Depth k at slot i
         embeds t_{i+k} and predicts t_{i+k+1}, inside the same document."""
         cfg, dt = self.cfg, dtype_of(self.cfg.dtype)
-        ctx = self.ctx(batch, mode)
+        ctx = self.ctx(batch, mode, index_loss=index_loss)
         ks = range(1, cfg.mtp_depth + 1)
         emb_tokens = jnp.stack([shift_left(batch.tokens, k, 0) for k in ks])
         targets, valid = zip(*(shifted_targets(batch, k + 1) for k in ks))

@@ -1,5 +1,8 @@
-"""Training: the train config section, optimizer + jitted steps, aux-loss-free router-bias updates, the loop."""
-from glmjax.train.config import default_train_config, validate_train_config
-from glmjax.train.loop import train
+"""Training: config sections, the GLM-5 stages and their surgery, optimizer + jitted steps, aux-loss-free router-bias
+updates, orbax checkpoints, the loop (`run` = train.py's entry point)."""
+from glmjax.train.config import default_train_config, experiment_fields, stage_config, validate_train_config
+from glmjax.train.loop import run, train
+from glmjax.train.stages import STAGES
 
-__all__ = ["default_train_config", "train", "validate_train_config"]
+__all__ = ["STAGES", "default_train_config", "experiment_fields", "run", "stage_config", "train",
+           "validate_train_config"]

@@ -1,4 +1,13 @@
-"""The `train` section of an experiment config: defaults and up-front validation."""
+"""The `train` section of an experiment config and the top-level stage fields: defaults and up-front validation.
+
+Top level of an experiment config (besides `model`, `optim`, `data`, `train`):
+  stage      one of glmjax.train.stages.STAGES, or "recipe" = run `recipe`'s stages in order, each in
+             workdir/<stage>, each initialised from the previous one
+  recipe     tuple of stage names (stage="recipe")
+  init_from  workdir of a previous stage to start from (parameter surgery by layer), or None = fresh init
+  stages     per-stage overrides: {stage name: {"train": {...}, "optim": {...}, "model": {...}}}, applied on top of
+             the base sections when that stage runs
+"""
 from __future__ import annotations
 
 import ml_collections
@@ -6,6 +15,7 @@ import ml_collections
 from glmjax.config import ConfigError
 
 MODES = ("dense", "sparse")
+NAN_POLICIES = ("skip", "stop")
 
 
 def default_train_config(**overrides) -> ml_collections.ConfigDict:
@@ -19,9 +29,13 @@ def default_train_config(**overrides) -> ml_collections.ConfigDict:
     c.log_every = 10
     c.eval_every = 100  # 0 disables periodic eval (a final eval still runs when eval_batches > 0)
     c.eval_batches = 4
-    c.eval_fraction = 0.02  # share of documents held out for eval
-    c.data = ml_collections.config_dict.placeholder(str)  # None -> embedded stdlib corpus; else text/JSONL path
-    c.max_docs = ml_collections.config_dict.placeholder(int)  # None -> all documents
+    c.index_loss_weight = 1.0  # sparse stages: weight of the indexer KL (reaches only indexer weights)
+    c.checkpoint_every = 100  # steps between (asynchronous) checkpoints; one is always written at the end
+    c.keep_checkpoints = 3
+    c.async_checkpoints = True
+    c.nan_policy = "skip"  # non-finite loss/grad: "skip" the update (counted) or "stop" the run with diagnostics
+    c.inject_nan_at_step = ml_collections.config_dict.placeholder(int)  # tests: make this step's loss NaN
+    c.tensorboard = True  # also write TensorBoard event files to workdir/tb
     c.update(overrides)
     return c
 
@@ -31,7 +45,7 @@ def validate_train_config(t, model_cfg, tokenizer_vocab: int) -> None:
     def fail(field, rule):
         raise ConfigError(f"train.{field}={t[field]!r}: {rule}")
 
-    for name in ("seq_len", "batch_size", "steps", "log_every"):
+    for name in ("seq_len", "batch_size", "steps", "log_every", "checkpoint_every", "keep_checkpoints"):
         if not isinstance(t[name], int) or t[name] < 1:
             fail(name, "must be an integer >= 1")
     for name in ("eval_every", "eval_batches"):
@@ -39,16 +53,70 @@ def validate_train_config(t, model_cfg, tokenizer_vocab: int) -> None:
             fail(name, "must be an integer >= 0")
     if t.bias_update_rate < 0:
         fail("bias_update_rate", "must be >= 0")
-    if not 0 <= t.eval_fraction < 1:
-        fail("eval_fraction", "must be in [0, 1)")
-    if t.eval_batches and not t.eval_fraction:
-        fail("eval_batches", "needs eval_fraction > 0 (no held-out documents)")
     if t.mode not in MODES:
         fail("mode", f"must be one of {MODES}")
-    if t.max_docs is not None and t.max_docs < 2:
-        fail("max_docs", "must be >= 2 (one train and one held-out document) or None")
+    if not t.index_loss_weight >= 0:
+        fail("index_loss_weight", "must be >= 0")
+    if t.nan_policy not in NAN_POLICIES:
+        fail("nan_policy", f"must be one of {NAN_POLICIES}")
     if t.seq_len > model_cfg.max_position_embeddings:
         fail("seq_len", f"must be <= model.max_position_embeddings={model_cfg.max_position_embeddings}")
     if model_cfg.vocab_size < tokenizer_vocab:
         raise ConfigError(f"model.vocab_size={model_cfg.vocab_size}: must be >= {tokenizer_vocab} "
                           "(byte tokenizer vocabulary)")
+
+
+def experiment_fields(c: ml_collections.ConfigDict, stage: str = "pretrain", recipe=(), stages=None):
+    """Adds the top-level stage fields to an experiment config (see the module docstring) -> c."""
+    c.stage = stage
+    c.recipe = tuple(recipe)
+    c.init_from = ml_collections.config_dict.placeholder(str)
+    c.stages = ml_collections.ConfigDict(stages or {})
+    return c
+
+
+def stage_config(config: ml_collections.ConfigDict, name: str) -> ml_collections.ConfigDict:
+    """The config a stage runs with: `config` with stage=name and config.stages[name]'s overrides applied."""
+    from glmjax.train.stages import STAGES
+
+    if name not in STAGES:
+        raise ConfigError(f"stage={name!r}: must be one of {sorted(STAGES)} (or 'recipe')")
+    c = ml_collections.ConfigDict(config.to_dict())
+    c.stage = name
+    overrides = config.stages.get(name, {}) if "stages" in config else {}
+    for section, values in dict(overrides).items():
+        if section not in c or not isinstance(c[section], ml_collections.ConfigDict):
+            raise ConfigError(f"stages.{name}.{section}: not a config section (model, optim, data, train)")
+        for key, value in dict(values).items():
+            if key not in c[section]:
+                raise ConfigError(f"stages.{name}.{section}.{key}: unknown field of {section}")
+            c[section][key] = value
+    return c
+
+
+def validate_stage(config, model_cfg) -> None:
+    """The stage fields of a single-stage config (after stage_config)."""
+    from glmjax.train.stages import STAGES
+
+    stage = STAGES[config.stage]
+    if stage.index_loss and "full" not in model_cfg.layer_indexer_types:
+        raise ConfigError(f"stage={config.stage!r}: the model has no indexer (model.indexer_types)")
+    if config.stage == "indexshare" and "shared" not in model_cfg.layer_indexer_types:
+        raise ConfigError("model.indexer_types: stage 'indexshare' needs at least one 'shared' layer "
+                          f"(got {model_cfg.layer_indexer_types})")
+    if config.stage in ("dense_warmup", "indexshare") and not config.init_from:
+        raise ConfigError(f"init_from=None: stage {config.stage!r} starts from a trained model "
+                          "(the workdir of the previous stage)")
+
+
+def validate_recipe(config) -> None:
+    from glmjax.train.stages import STAGES
+
+    if not config.recipe:
+        raise ConfigError("recipe=(): stage='recipe' needs a tuple of stage names")
+    for name in config.recipe:
+        if name not in STAGES:
+            raise ConfigError(f"recipe={tuple(config.recipe)!r}: unknown stage {name!r}; stages: {sorted(STAGES)}")
+    for name in config.stages:
+        if name not in STAGES:
+            raise ConfigError(f"stages.{name}: unknown stage; stages: {sorted(STAGES)}")

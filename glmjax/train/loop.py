@@ -1,107 +1,262 @@
-"""The training loop: data -> model -> jitted steps -> metrics (JSONL + tqdm)."""
+"""The training loop of every stage: data -> model -> jitted steps -> checkpoints and metrics.
+
+`run(config, workdir)` is train.py's entry point: one stage, or (stage="recipe") the recipe's stages in order,
+each in workdir/<stage> and initialised from the one before. `train(config, workdir)` runs one stage and survives
+interruptions: it resumes from the newest readable checkpoint of workdir (model, optimizer, data iterator, step),
+so a run killed at any point and started again continues with bitwise the same batches and losses. SIGTERM (and
+SIGINT) finish the current step, write a checkpoint and return. A non-finite loss never reaches the weights or a
+checkpoint: the step is skipped (nan_policy="skip") or the run stops with diagnostics ("stop").
+
+Outputs in workdir: config.json, metrics.jsonl (appended across restarts; a resumed run re-logs the steps after
+its checkpoint), tb/ (TensorBoard), checkpoints/, summary.json (written when the stage completes).
+"""
 from __future__ import annotations
 
 import json
 import os
+import signal
+import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from glmjax.config import ModelConfig
-from glmjax.data import ByteTokenizer, Packer, load_corpus, split_documents
+from glmjax.config import ConfigError, ModelConfig
+from glmjax.data import default_data_config, make_pipeline, validate_data_config
+from glmjax.flops import flops_per_token
+from glmjax.interop.keymap import model_config_json
 from glmjax.model.transformer import GLM, Batch
 from glmjax.optim import validate_optim_config
-from glmjax.train.config import validate_train_config
+from glmjax.train.checkpoint import Checkpoints, load_model_state
+from glmjax.train.config import stage_config, validate_recipe, validate_stage, validate_train_config
+from glmjax.train.stages import STAGES, surgery
 from glmjax.train.step import count_params, make_eval_step, make_optimizer, make_train_step, split_model
+
+# Peak dense bf16 FLOP/s per chip, by jax device_kind prefix (for MFU). Unknown chips and CPUs report "n/a".
+PEAK_FLOPS = {"TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12, "TPU v5": 459e12,
+              "TPU v6 lite": 918e12, "TPU v6e": 918e12, "NVIDIA H100": 989e12, "NVIDIA H200": 989e12,
+              "NVIDIA A100": 312e12}
+
+
+def peak_flops(device) -> float | None:
+    kind = getattr(device, "device_kind", "")
+    return next((v for k, v in sorted(PEAK_FLOPS.items(), key=lambda kv: -len(kv[0])) if kind.startswith(k)), None)
 
 
 def to_batch(b: dict) -> Batch:
-    return Batch(b["tokens"], b["segment_ids"], b["positions"])
+    return Batch(jnp.asarray(b["tokens"]), jnp.asarray(b["segment_ids"]), jnp.asarray(b["positions"]),
+                 jnp.asarray(b["loss_mask"]) if "loss_mask" in b else None)
 
 
 def evaluate(eval_step, params, rest, batches) -> dict:
-    """Token-mean LM loss over all eval batches (exact: sums of NLL / counts), plus the mean MTP loss."""
+    """Token-mean LM loss over all eval batches (exact: sums of NLL / counts), plus means of the other metrics."""
     outs = [jax.device_get(eval_step(params, rest, to_batch(b))) for b in batches]
     m = {"eval_loss": float(sum(o["lm_nll_sum"] for o in outs) / max(sum(o["lm_tokens"] for o in outs), 1.0))}
-    if "mtp_loss" in outs[0]:
-        m["eval_mtp_loss"] = float(np.mean([o["mtp_loss"] for o in outs]))
+    for k in outs[0]:
+        if k not in ("lm_nll_sum", "lm_tokens"):
+            m[f"eval_{k}"] = float(np.mean([o[k] for o in outs]))
     return m
 
 
+def run(config, workdir: str, progress: bool = True) -> dict:
+    """One stage (config.stage) or the whole recipe (config.stage == "recipe") -> summary (per stage for a recipe)."""
+    if config.stage != "recipe":
+        return train(stage_config(config, config.stage), workdir, progress)
+    validate_recipe(config)
+    summaries, init = {}, config.init_from
+    for name in config.recipe:
+        c = stage_config(config, name)
+        c.init_from = init
+        print(f"\n=== stage {name} -> {os.path.join(workdir, name)} ===")
+        summaries[name] = train(c, os.path.join(workdir, name), progress)
+        if summaries[name].get("interrupted"):
+            break
+        init = os.path.join(workdir, name)
+    return summaries
+
+
 def train(config, workdir: str, progress: bool = True) -> dict:
-    """Train `config.model` with `config.train`; writes workdir/{config.json,metrics.jsonl}. -> summary dict."""
+    """Run (or resume) one stage in workdir -> summary dict."""
     t0 = time.perf_counter()
-    t = config.train
+    t, stage = config.train, STAGES.get(config.stage)
+    if stage is None:
+        raise ConfigError(f"stage={config.stage!r}: must be one of {sorted(STAGES)} (or 'recipe')")
     cfg = ModelConfig.from_dict(config.model)
-    tok = ByteTokenizer()
-    validate_train_config(t, cfg, tok.vocab_size)
+    data_cfg = config.data if "data" in config else default_data_config()
+    validate_data_config(data_cfg)
+    validate_train_config(t, cfg, 259)
+    validate_stage(config, cfg)
     validate_optim_config({**config.optim.to_dict(), "total_steps": t.steps})
+    mode = stage.mode or t.mode
     os.makedirs(workdir, exist_ok=True)
+    done = os.path.join(workdir, "summary.json")
+    if os.path.exists(done):
+        print(f"stage {config.stage}: already complete ({done})")
+        with open(done) as f:
+            return json.load(f)
     with open(os.path.join(workdir, "config.json"), "w") as f:
         f.write(config.to_json(indent=2))
 
-    corpus = load_corpus(t.data, t.max_docs)
-    train_docs, eval_docs = split_documents([d.text for d in corpus.documents], t.eval_fraction, t.seed)
-    data = Packer(train_docs, tok, t.seq_len, t.batch_size, t.seed)
-    eval_set = Packer(eval_docs, tok, t.seq_len, t.batch_size).batches(t.eval_batches) if t.eval_batches else []
-    print(f"data: {corpus.source}: {len(train_docs)} train docs ({data.num_tokens:,} tokens), {len(eval_docs)} "
-          f"held-out docs ({len(eval_set)} eval batches), {corpus.skipped} skipped")
+    pid, nproc = jax.process_index(), jax.process_count()
+    data = make_pipeline(data_cfg, t.seq_len, t.batch_size, t.seed, "train", pid, nproc)
+    eval_data = make_pipeline(data_cfg, t.seq_len, t.batch_size, t.seed, "eval", pid, nproc) \
+        if t.eval_batches else None
+    eval_set = eval_data.take(t.eval_batches) if eval_data else []
+    if cfg.vocab_size < data.tokenizer.vocab_size:
+        raise ConfigError(f"model.vocab_size={cfg.vocab_size}: must be >= the tokenizer's {data.tokenizer.vocab_size}")
+    print(f"data: {data!r}; {len(eval_set)} eval batches")
 
     model = GLM(cfg, nnx.Rngs(t.seed))
-    graphdef, params, rest = split_model(model)
-    n_train, n_frozen = count_params(params), count_params(nnx.state(model, nnx.Param)) - count_params(params)
-    print(f"params: {n_train + n_frozen:,} ({n_train:,} trainable, {n_frozen:,} frozen indexer); "
-          f"mode={t.mode}, {t.batch_size}x{t.seq_len} tokens/step, {t.steps} steps")
+    ckpt = Checkpoints(workdir, t.keep_checkpoints, t.async_checkpoints)
+    if config.init_from and not ckpt.steps():
+        for line in init_model(model, config.init_from):
+            print(f"init_from {config.init_from}: {line}")
+    graphdef, params, rest = split_model(model, stage.trainable)
+    n_train, n_all = count_params(params), count_params(nnx.state(model, nnx.Param))
+    print(f"stage {config.stage}: attention {mode}, trains {stage.trainable} ({n_train:,} of {n_all:,} params); "
+          f"{t.batch_size}x{t.seq_len} tokens/step, {t.steps} steps")
     del model
-
     tx, groups = make_optimizer(params, config.optim, t.steps, cfg)
     print(groups)
     opt_state = tx.init(params)
-    train_step = make_train_step(graphdef, tx, t.mode, t.bias_update_rate)
-    eval_step = make_eval_step(graphdef, t.mode)
 
-    it = iter(data)
-    start = time.perf_counter()
-    summary: dict = {"params": n_train + n_frozen, "trainable_params": n_train, "setup_s": start - t0}
-    window_t, window_tokens, timed_tokens, timed_s = start, 0, 0, 0.0
-    with open(os.path.join(workdir, "metrics.jsonl"), "w") as out, \
-            tqdm(total=t.steps, disable=not progress, dynamic_ncols=True) as bar:
-        def write(record):
-            out.write(json.dumps(record) + "\n")
-            out.flush()
+    start_step, it = 0, iter(data)
+    restored = ckpt.restore_latest(nnx.merge_state(params, rest).to_pure_dict(), opt_state)
+    if restored:
+        start_step, model_state, opt_state, data_state, meta = restored
+        state = nnx.merge_state(params, rest)
+        nnx.replace_by_pure_dict(state, model_state)
+        _, params, rest = split_model(nnx.merge(graphdef, state), stage.trainable)
+        it.set_state(data_state)
+        print(f"resumed from {ckpt.directory}/{start_step} (stage {meta.get('stage')})")
 
-        for step in range(1, t.steps + 1):
-            b = next(it)
-            params, rest, opt_state, m = train_step(params, rest, opt_state, to_batch(b))
-            window_tokens += int(np.sum(b["segment_ids"] > 0))
-            bar.update(1)
-            if step == 1 or step % t.log_every == 0 or step == t.steps:
-                m = jax.device_get(m)
-                now = time.perf_counter()
-                if step > 1:  # the first step compiles: it is timed on its own, not counted in tokens/s
-                    timed_tokens, timed_s = timed_tokens + window_tokens, timed_s + now - window_t
-                else:
-                    summary["first_step_s"], summary["first_loss"] = now - start, float(m["loss"])
-                tps = window_tokens / max(now - window_t, 1e-9)
-                record = {"step": step, **{k: float(v) for k, v in m.items() if np.ndim(v) == 0},
-                          **{f"lr_{g}": float(s(step - 1)) for g, s in groups.schedules.items()},
-                          "tokens_per_s": tps, "wall_s": now - start}
-                write(record)
-                bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{tps:,.0f}")
-                summary["last_loss"] = record["loss"]
-                window_t, window_tokens = time.perf_counter(), 0
-            if eval_set and ((t.eval_every and step % t.eval_every == 0) or step == t.steps):
-                e0 = time.perf_counter()
-                e = evaluate(eval_step, params, rest, eval_set)
-                write({"step": step, **e})
-                bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in e.items()))
-                summary.update(e)
-                window_t += time.perf_counter() - e0  # eval time is not training throughput
+    train_step = make_train_step(graphdef, tx, stage, mode, t.bias_update_rate, t.index_loss_weight,
+                                 t.inject_nan_at_step)
+    eval_step = make_eval_step(graphdef, stage, mode)
+    flops_mode = "dense" if mode == "dense" else "dsa_indexshare"
+    train_flops = flops_per_token(cfg, t.seq_len, "training", flops_mode)["total"]
+    peak = peak_flops(jax.devices()[0])
+    peak = peak * jax.device_count() if peak else None
+
+    def save(step):
+        meta = {"step": step, "stage": config.stage, "model": model_config_json(cfg)}
+        ckpt.save(step, nnx.merge_state(params, rest).to_pure_dict(), opt_state, it.get_state(), meta)
+
+    stop = {"signal": None}
+
+    def on_signal(signum, frame):
+        stop["signal"] = signal.Signals(signum).name
+
+    old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    writer = tensorboard_writer(workdir) if t.tensorboard and pid == 0 else None
+    summary: dict = {"stage": config.stage, "params": n_all, "trainable_params": n_train, "start_step": start_step,
+                     "setup_s": time.perf_counter() - t0, "skipped_steps": 0}
+    window_t, window_tokens, timed_tokens, timed_s = time.perf_counter(), 0, 0, 0.0
+    step = start_step
+    try:
+        with open(os.path.join(workdir, "metrics.jsonl"), "a") as out, \
+                tqdm(total=t.steps, initial=start_step, disable=not progress or pid != 0, dynamic_ncols=True,
+                     desc=config.stage) as bar:
+            def write(record):
+                out.write(json.dumps(record) + "\n")
+                out.flush()
+                if writer:
+                    for k, v in record.items():
+                        if k != "step":
+                            writer.add_scalar(k, v, record["step"])
+
+            for step in range(start_step + 1, t.steps + 1):
+                b = next(it)
+                params, rest, opt_state, m = train_step(params, rest, opt_state, to_batch(b), jnp.int32(step))
+                window_tokens += int(np.sum(b["segment_ids"] > 0)) * nproc
+                if int(m["skipped"]):
+                    summary["skipped_steps"] += 1
+                    bad = {k: float(v) for k, v in jax.device_get(m).items() if np.ndim(v) == 0}
+                    write({"step": step, "skipped": 1, **{f"bad_{k}": v for k, v in bad.items()
+                                                          if np.isfinite(v)}})
+                    msg = (f"step {step}: non-finite loss/gradient (loss {bad['loss']}, grad_norm "
+                           f"{bad['grad_norm']}); the update was not applied")
+                    bar.write(msg)
+                    if t.nan_policy == "stop":
+                        raise FloatingPointError(msg + f"; stopping (train.nan_policy='stop'). The last good "
+                                                       f"checkpoint is step {max(ckpt.steps(), default=None)}")
+                bar.update(1)
+                if step == start_step + 1 or step % t.log_every == 0 or step == t.steps:
+                    m = jax.device_get(m)
+                    now = time.perf_counter()
+                    if step > start_step + 1:  # the first step compiles: not counted in tokens/s
+                        timed_tokens, timed_s = timed_tokens + window_tokens, timed_s + now - window_t
+                    else:
+                        summary["first_step_s"], summary["first_loss"] = now - t0, float(m["loss"])
+                    tps = window_tokens / max(now - window_t, 1e-9)
+                    record = {"step": step, **{k: float(v) for k, v in m.items() if np.ndim(v) == 0},
+                              **{f"lr_{g}": float(s(step - 1)) for g, s in groups.schedules.items()},
+                              "tokens_per_s": tps, "wall_s": now - t0}
+                    if peak and step > start_step + 1:
+                        record["mfu"] = tps * train_flops / peak
+                    write(record)
+                    bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{tps:,.0f}",
+                                    mfu=f"{record['mfu']:.1%}" if "mfu" in record else "n/a")
+                    summary["last_loss"] = record["loss"]
+                    window_t, window_tokens = time.perf_counter(), 0
+                if eval_set and ((t.eval_every and step % t.eval_every == 0) or step == t.steps):
+                    e0 = time.perf_counter()
+                    e = evaluate(eval_step, params, rest, eval_set)
+                    write({"step": step, **e})
+                    bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in e.items()))
+                    summary.update(e)
+                    window_t += time.perf_counter() - e0  # eval time is not training throughput
+                if step % t.checkpoint_every == 0 or step == t.steps:
+                    save(step)
+                if stop["signal"]:
+                    if step % t.checkpoint_every and step != t.steps:
+                        save(step)
+                    bar.write(f"{stop['signal']}: checkpoint written at step {step}; stopping")
+                    summary["interrupted"] = stop["signal"]
+                    break
+    finally:
+        ckpt.close()
+        if writer:
+            writer.close()
+        for s, h in old_handlers.items():
+            signal.signal(s, h)
+    summary["step"] = step
     summary["tokens_per_s"] = timed_tokens / timed_s if timed_s else float("nan")
-    summary["train_s"] = time.perf_counter() - start
+    summary["data"] = data.stats
     summary["wall_s"] = time.perf_counter() - t0
-    print("done: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v:,}" for k, v in summary.items()))
+    if not summary.get("interrupted") and pid == 0:
+        with open(done, "w") as f:
+            json.dump(summary, f, indent=2, default=float)
+    print("done: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()
+                               if not isinstance(v, dict)))
     return summary
+
+
+def init_model(model: GLM, path: str) -> list[str]:
+    """Initialise `model` in place from `path`: a stage workdir (orbax checkpoints/), a directory written by
+    `python -m glmjax.interop.hf import`, or a Hugging Face safetensors checkpoint. -> log lines."""
+    if os.path.isdir(os.path.join(path, "checkpoints")):
+        state, meta, step = load_model_state(path)
+        src_cfg = ModelConfig.from_dict(meta["model"])
+        where = f"stage {meta.get('stage')} step {step}"
+    elif os.path.exists(os.path.join(path, "model_config.json")) or os.path.exists(os.path.join(path, "config.json")):
+        from glmjax.interop.hf import load_checkpoint, load_hf
+
+        src = load_checkpoint(path)[0] if os.path.exists(os.path.join(path, "model_config.json")) else load_hf(path)[0]
+        state, src_cfg, where = nnx.state(src).to_pure_dict(), src.cfg, "imported weights"
+    else:
+        raise FileNotFoundError(f"init_from={path!r}: neither a stage workdir (checkpoints/), an imported "
+                                "checkpoint (model_config.json) nor a Hugging Face checkpoint (config.json)")
+    return [where] + surgery(model, state, src_cfg)
+
+
+def tensorboard_writer(workdir: str):
+    try:
+        from tensorboardX import SummaryWriter
+    except ImportError:  # optional: JSONL metrics are always written
+        print("tensorboardX is not installed: TensorBoard logs off", file=sys.stderr)
+        return None
+    return SummaryWriter(os.path.join(workdir, "tb"))

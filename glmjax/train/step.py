@@ -11,16 +11,14 @@ from flax import nnx
 from glmjax.model.transformer import GLM, Batch
 from glmjax.optim import GroupTable, build_optimizer
 from glmjax.train.router_bias import update_router_bias
-
-# What the LM loss trains: every nnx.Param except the indexers'. Top-k selection is not differentiable and dense
-# mode does not run the indexer, so the LM loss never reaches indexer weights (SPEC E.3); they train only from
-# the indexer KL loss of the DSA stages. Freezing them here keeps weight decay from shrinking them meanwhile.
-TRAINABLE = nnx.All(nnx.Param, nnx.Not(nnx.PathContains("indexer")))
+from glmjax.train.stages import STAGES, TRAINABLE, Stage
 
 
-def split_model(model: GLM):
-    """-> graphdef, trainable params (nnx.State), everything else (frozen params, router biases)."""
-    return nnx.split(model, TRAINABLE, ...)
+def split_model(model: GLM, trainable: str = "model"):
+    """-> graphdef, trainable params (nnx.State), everything else (frozen params, router biases).
+    trainable: "model" = every Param but the indexers' (the LM loss never reaches them: top-k is not
+    differentiable and dense mode does not run them; freezing keeps weight decay off them), "indexer", "all"."""
+    return nnx.split(model, TRAINABLE[trainable], ...)
 
 
 def count_params(state) -> int:
@@ -38,34 +36,86 @@ def load_stats(expert_load):
     return jnp.mean(jnp.max(load, -1) / jnp.maximum(jnp.mean(load, -1), 1e-9))
 
 
-def make_train_step(graphdef, tx, mode: str, bias_rate: float):
-    @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
-    def train_step(params, rest, opt_state, batch: Batch):
-        def loss_fn(p):
-            return nnx.merge(graphdef, p, rest).loss(batch, mode)
+def make_train_step(graphdef, tx, stage: Stage | str, mode: str, bias_rate: float, index_loss_weight: float = 1.0,
+                    inject_nan_at: int | None = None):
+    """-> train_step(params, rest, opt_state, batch, step) -> (params, rest, opt_state, metrics), jitted, donating.
 
-        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
+    A step whose loss or gradient norm is not finite changes nothing (params, optimizer state and router biases
+    stay as they were) and reports metrics["skipped"] = 1. inject_nan_at (tests only) multiplies the loss of that
+    step by NaN."""
+    stage = STAGES[stage] if isinstance(stage, str) else stage
+    weights = dict(lm_weight=stage.lm_weight, index_loss_weight=index_loss_weight if stage.index_loss else 0.0)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
+    def train_step(params, rest, opt_state, batch: Batch, step):
+        def loss_fn(p):
+            loss, m = nnx.merge(graphdef, p, rest).loss(batch, mode, **weights)
+            if inject_nan_at is not None:
+                loss = loss * jnp.where(step == inject_nan_at, jnp.nan, 1.0)
+            return loss, m
+
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        metrics["loss"] = loss
         metrics["grad_norm"] = optax.tree.norm(grads)
+        ok = jnp.isfinite(loss) & jnp.isfinite(metrics["grad_norm"])
+        updates, new_opt = tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        new_rest = rest
         load = metrics.pop("expert_load", None)
         if load is not None:
-            model = nnx.merge(graphdef, params, rest)
-            update_router_bias(model, load, bias_rate)
-            _, params, rest = split_model(model)
             metrics["load_imbalance"] = load_stats(load)
-        return params, rest, opt_state, metrics
+            if stage.moves_router_bias:
+                model = nnx.merge(graphdef, new_params, rest)
+                update_router_bias(model, load, bias_rate)
+                _, new_params, new_rest = nnx.split(model, TRAINABLE[stage.trainable], ...)
+        keep = functools.partial(jax.tree.map, lambda new, old: jnp.where(ok, new, old))
+        metrics["skipped"] = 1 - ok.astype(jnp.int32)
+        return keep(new_params, params), keep(new_rest, rest), keep(new_opt, opt_state), metrics
 
     return train_step
 
 
-def make_eval_step(graphdef, mode: str):
+def make_eval_step(graphdef, stage: Stage | str, mode: str):
+    """-> eval_step(params, rest, batch) -> sums for exact token means: LM NLL, MTP loss, and for stages with an
+    indexer loss the indexer KL plus (dense diagnostics) the indexer's top-k recall of the attention's own top-k
+    and the adjacent-layer top-k overlaps."""
+    stage = STAGES[stage] if isinstance(stage, str) else stage
+
     @jax.jit
     def eval_step(params, rest, batch: Batch):
-        _, m = nnx.merge(graphdef, params, rest).loss(batch, mode)
-        out = {"lm_nll_sum": m["lm_nll_sum"], "lm_tokens": m["lm_tokens"]}
-        if "mtp_loss" in m:
-            out["mtp_loss"] = m["mtp_loss"]
+        model = nnx.merge(graphdef, params, rest)
+        _, m = model.loss(batch, mode, index_loss_weight=1.0 if stage.index_loss else 0.0)
+        out = {k: m[k] for k in ("lm_nll_sum", "lm_tokens", "mtp_loss", "index_kl") if k in m}
+        if stage.index_loss:
+            out.update(topk_stats(model, batch))
         return out
 
     return eval_step
+
+
+def topk_stats(model: GLM, batch: Batch) -> dict:
+    """Dense-attention diagnostics of the DSA indexers: "topk_recall" = mean over full layers of
+    |indexer top-k ∩ attention top-k| / |attention top-k| (the attention's own top-k: the k keys with the largest
+    head-mean probability), and "adjacent_overlap" = mean over neighbouring layers of the overlap of their attention
+    top-k sets (how much IndexShare's reuse loses)."""
+    _, aux = model(batch, "dense", topk_stats=True)
+    attn, index = aux["attn_topk"], aux["index_topk"]
+    full = [i for i, t in enumerate(model.cfg.layer_indexer_types) if t == "full"]
+    T = batch.tokens.shape[1]
+    return {"topk_recall": jnp.mean(topk_overlap(index, attn[jnp.asarray(full)], T)),
+            "adjacent_overlap": jnp.mean(topk_overlap(attn[1:], attn[:-1], T))}
+
+
+def topk_overlap(a, b, num_keys: int):
+    """Overlap of index sets a, b [..., B, S, k] (-1 = empty slot) as |a ∩ b| / |b| averaged over query rows with a
+    non-empty b -> [...]."""
+    def member(ids):  # [..., B, S, k] -> [..., B, S, T] bool, by scatter (-1 lands in a dropped extra column)
+        flat = ids.reshape(-1, ids.shape[-1])
+        rows = jnp.arange(flat.shape[0])[:, None]
+        m = jnp.zeros((flat.shape[0], num_keys + 1), bool).at[rows, jnp.where(flat < 0, num_keys, flat)].set(True)
+        return m[:, :num_keys].reshape(ids.shape[:-1] + (num_keys,))
+
+    inter = jnp.sum(member(a) & member(b), axis=-1)
+    size = jnp.sum(b >= 0, axis=-1)
+    rows = jnp.maximum(jnp.sum(size > 0, axis=(-2, -1)), 1)
+    return jnp.sum(jnp.where(size > 0, inter / jnp.maximum(size, 1), 0.0), axis=(-2, -1)) / rows
