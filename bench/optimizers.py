@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from configs import small  # noqa: E402
 from glmjax.config import ModelConfig  # noqa: E402
-from glmjax.data import ByteTokenizer, Packer, load_corpus, split_documents  # noqa: E402
+from glmjax.data import make_pipeline  # noqa: E402
 from glmjax.model.transformer import GLM  # noqa: E402
 from glmjax.optim import build_optimizer  # noqa: E402
 from glmjax.train.loop import evaluate, to_batch  # noqa: E402
@@ -147,16 +147,13 @@ def main(argv=None):
     names = args.names.split(",")
     warmup = max(1, round(0.1 * args.steps))
 
-    tok = ByteTokenizer()
-    corpus = load_corpus(None, args.max_docs)
-    train_docs, eval_docs = split_documents([d.text for d in corpus.documents], t.eval_fraction, t.seed)
-    data = Packer(train_docs, tok, S, B, t.seed)
-    it = iter(data)
-    batches = [next(it) for _ in range(max(args.steps, args.sweep_steps))]
-    eval_set = Packer(eval_docs, tok, S, B).batches(t.eval_batches)
+    config.data.max_docs = args.max_docs
+    data = make_pipeline(config.data, S, B, t.seed, "train")
+    batches = data.take(max(args.steps, args.sweep_steps))
+    eval_set = make_pipeline(config.data, S, B, t.seed, "eval").take(t.eval_batches)
     tokens = sum(int(np.sum(b["segment_ids"] > 0)) for b in batches[:args.steps])
-    print(f"data: {corpus.source}: {len(train_docs)} train docs, {len(eval_docs)} held out; {B}x{S} tokens/step, "
-          f"{args.steps} steps = {tokens:,} non-pad tokens; {len(eval_set)} eval batches", flush=True)
+    print(f"data: {data!r}; {args.steps} steps = {tokens:,} non-pad tokens; {len(eval_set)} eval batches",
+          flush=True)
 
     model = GLM(cfg, nnx.Rngs(t.seed))
     graphdef, params0, rest0 = split_model(model)
@@ -220,7 +217,7 @@ def main(argv=None):
 
     results = {n: results[n] for n in names}
     wall = time.perf_counter() - t_start
-    report = render(args, results, sweeps, tables, cfg, B, S, tokens, warmup, wall, corpus.source)
+    report = render(args, results, sweeps, tables, cfg, B, S, tokens, warmup, wall, data.source_name)
     print(report)
     if not args.no_write:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

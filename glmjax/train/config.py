@@ -40,7 +40,7 @@ def default_train_config(**overrides) -> ml_collections.ConfigDict:
     return c
 
 
-def validate_train_config(t, model_cfg, tokenizer_vocab: int) -> None:
+def validate_train_config(t, model_cfg) -> None:
     """t: the train ConfigDict; model_cfg: the validated ModelConfig."""
     def fail(field, rule):
         raise ConfigError(f"train.{field}={t[field]!r}: {rule}")
@@ -61,9 +61,6 @@ def validate_train_config(t, model_cfg, tokenizer_vocab: int) -> None:
         fail("nan_policy", f"must be one of {NAN_POLICIES}")
     if t.seq_len > model_cfg.max_position_embeddings:
         fail("seq_len", f"must be <= model.max_position_embeddings={model_cfg.max_position_embeddings}")
-    if model_cfg.vocab_size < tokenizer_vocab:
-        raise ConfigError(f"model.vocab_size={model_cfg.vocab_size}: must be >= {tokenizer_vocab} "
-                          "(byte tokenizer vocabulary)")
 
 
 def experiment_fields(c: ml_collections.ConfigDict, stage: str = "pretrain", recipe=(), stages=None):

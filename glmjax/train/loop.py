@@ -66,6 +66,10 @@ def run(config, workdir: str, progress: bool = True) -> dict:
     if config.stage != "recipe":
         return train(stage_config(config, config.stage), workdir, progress)
     validate_recipe(config)
+    for i, name in enumerate(config.recipe):  # every stage's config is checked before anything runs
+        c = stage_config(config, name)
+        c.init_from = config.init_from if i == 0 else os.path.join(workdir, config.recipe[i - 1])
+        check_config(c, init_exists=i == 0)
     summaries, init = {}, config.init_from
     for name in config.recipe:
         c = stage_config(config, name)
@@ -78,18 +82,27 @@ def run(config, workdir: str, progress: bool = True) -> dict:
     return summaries
 
 
-def train(config, workdir: str, progress: bool = True) -> dict:
-    """Run (or resume) one stage in workdir -> summary dict."""
-    t0 = time.perf_counter()
-    t, stage = config.train, STAGES.get(config.stage)
+def check_config(config, init_exists: bool = True):
+    """Validate a single-stage config up front (nothing is built) -> (ModelConfig, data section, Stage)."""
+    stage = STAGES.get(config.stage)
     if stage is None:
         raise ConfigError(f"stage={config.stage!r}: must be one of {sorted(STAGES)} (or 'recipe')")
     cfg = ModelConfig.from_dict(config.model)
     data_cfg = config.data if "data" in config else default_data_config()
     validate_data_config(data_cfg)
-    validate_train_config(t, cfg, 259)
+    validate_train_config(config.train, cfg)
     validate_stage(config, cfg)
-    validate_optim_config({**config.optim.to_dict(), "total_steps": t.steps})
+    validate_optim_config({**config.optim.to_dict(), "total_steps": config.train.steps})
+    if init_exists and config.init_from and not os.path.exists(config.init_from):
+        raise ConfigError(f"init_from={config.init_from!r}: no such directory")
+    return cfg, data_cfg, stage
+
+
+def train(config, workdir: str, progress: bool = True) -> dict:
+    """Run (or resume) one stage in workdir -> summary dict."""
+    t0 = time.perf_counter()
+    t = config.train
+    cfg, data_cfg, stage = check_config(config)
     mode = stage.mode or t.mode
     os.makedirs(workdir, exist_ok=True)
     done = os.path.join(workdir, "summary.json")

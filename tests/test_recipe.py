@@ -1,0 +1,75 @@
+"""End to end: the tiny GLM-5 DSA recipe, pretrain -> dense_warmup -> sparse_adapt -> indexshare, chained through
+checkpoints by train.py's `run` (SPEC E.2-E.4)."""
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+from flax import traverse_util
+
+from glmjax.config import ModelConfig
+from glmjax.train import run
+from glmjax.train.checkpoint import load_model_state
+from glmjax.train.stages import layer_names
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from configs import recipe_tiny  # noqa: E402
+
+SPARSE_MARGIN = 0.10  # nats: sparse_adapt's held-out loss may exceed the dense model's by at most this
+
+
+def records(workdir):
+    return [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
+
+
+def series(workdir, key):
+    return [r[key] for r in records(workdir) if key in r]
+
+
+def state(workdir):
+    s, meta, _ = load_model_state(workdir)
+    return layer_names(ModelConfig.from_dict(meta["model"]), traverse_util.flatten_dict(s))
+
+
+@pytest.mark.slow
+def test_tiny_recipe_chains_all_four_stages(tmp_path):
+    c = recipe_tiny.get_config()
+    c.data.max_docs = 200
+    c.train.update(seq_len=64, batch_size=8, log_every=1, eval_batches=2, checkpoint_every=1000)
+    c.optim.warmup_steps = 3
+    c.stages.pretrain.train.steps = 80
+    for name, steps in (("dense_warmup", 25), ("sparse_adapt", 10), ("indexshare", 25)):
+        c.stages[name].train.steps = steps
+        c.stages[name].train.eval_every = 0
+    out = run(c, str(tmp_path), progress=False)
+    d = {name: str(tmp_path / name) for name in c.recipe}
+
+    # pretrain: the dense model learns
+    assert out["pretrain"]["last_loss"] < out["pretrain"]["first_loss"] - 2.0
+
+    # dense_warmup: the indexer KL falls; every non-indexer tensor (incl. router biases) is bit-identical
+    kl = series(d["dense_warmup"], "index_kl")
+    assert np.mean(kl[-5:]) < 0.5 * np.mean(kl[:3]), kl
+    before, after = state(d["pretrain"]), state(d["dense_warmup"])
+    assert before.keys() == after.keys()
+    changed = {n for n in before if not np.array_equal(before[n], after[n])}
+    assert changed and all("indexer" in "/".join(n) for n in changed), sorted(changed)[:5]
+    assert out["dense_warmup"]["eval_topk_recall"] > 0.5
+
+    # sparse_adapt: top-k attention keeps the dense model's held-out loss (within the margin)
+    assert out["sparse_adapt"]["eval_loss"] < out["pretrain"]["eval_loss"] + SPARSE_MARGIN, out
+
+    # indexshare: shared layers own no indexer; the kept indexers' multi-layer KL falls
+    final = state(d["indexshare"])
+    for i in range(6):
+        has = any(n[:2] == ("layers", str(i)) and "indexer" in n for n in final)
+        assert has == (i % 2 == 0), i
+    kl = series(d["indexshare"], "index_kl")
+    assert np.mean(kl[-5:]) < 0.8 * np.mean(kl[:3]), kl
+    assert out["indexshare"]["eval_loss"] < out["pretrain"]["eval_loss"] + SPARSE_MARGIN, out
+
+    # finished stages are skipped when the command runs again
+    again = run(c, str(tmp_path), progress=False)
+    assert again["indexshare"]["step"] == 25

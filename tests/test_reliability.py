@@ -1,0 +1,202 @@
+"""train.py survives interruptions: kill -9 then resume gives bitwise the same losses, SIGTERM writes a
+checkpoint and exits 0, a truncated newest checkpoint is skipped, a NaN never reaches a checkpoint, and invalid
+configs fail up front naming the field."""
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import warnings
+
+import numpy as np
+import pytest
+from flax import traverse_util
+
+from glmjax.config import ConfigError
+from glmjax.train import run
+from glmjax.train.checkpoint import Checkpoints, load_model_state
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from configs import recipe_tiny, tiny  # noqa: E402
+
+STEPS = 10
+FLAGS = ["--config=configs/tiny.py", "--config.train.steps=10", "--config.train.seq_len=32",
+         "--config.train.batch_size=2", "--config.train.log_every=1", "--config.train.eval_batches=0",
+         "--config.train.checkpoint_every=2", "--config.train.keep_checkpoints=10", "--config.optim.warmup_steps=2",
+         "--config.data.max_docs=50"]
+
+
+def launch(workdir, *extra):
+    cache = os.environ.get("GLMJAX_TEST_CACHE", os.path.join("/tmp", "glmjax_jax_cache"))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    return subprocess.Popen([sys.executable, "train.py", *FLAGS, *extra, f"--workdir={workdir}",
+                             f"--compilation_cache={cache}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def finish(p, timeout=600):
+    out, _ = p.communicate(timeout=timeout)
+    return p.returncode, out
+
+
+def losses(workdir):
+    """step -> loss, the last record of each step (a resumed run re-logs the steps after its checkpoint)."""
+    out = {}
+    for line in open(os.path.join(workdir, "metrics.jsonl")):
+        r = json.loads(line)
+        if "loss" in r:
+            out[r["step"]] = r["loss"]
+    return out
+
+
+def wait_for_step(p, workdir, step, timeout=600):
+    path = os.path.join(workdir, "metrics.jsonl")
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if p.poll() is not None:
+            raise AssertionError(f"run ended early: {p.communicate()[0][-3000:]}")
+        if os.path.exists(path) and max(losses(workdir), default=0) >= step:
+            return
+        time.sleep(0.05)
+    raise AssertionError("timed out")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    workdir = str(tmp_path_factory.mktemp("reference"))
+    rc, out = finish(launch(workdir))
+    assert rc == 0, out[-3000:]
+    return workdir
+
+
+def model_state(workdir, step):
+    ck = Checkpoints(workdir)
+    try:
+        r = ck.manager.restore(step, args=__import__("orbax.checkpoint").checkpoint.args.Composite(
+            model=__import__("orbax.checkpoint").checkpoint.args.StandardRestore()))
+    finally:
+        ck.close()
+    return traverse_util.flatten_dict(r.model)
+
+
+@pytest.mark.slow
+def test_kill9_then_resume_gives_bitwise_the_same_losses(reference, tmp_path):
+    ref = losses(reference)
+    assert sorted(ref) == list(range(1, STEPS + 1))
+    workdir = str(tmp_path)
+    p = launch(workdir)
+    wait_for_step(p, workdir, random.Random(os.getpid()).randint(3, 7))
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    killed_at = max(losses(workdir))
+    rc, out = finish(launch(workdir))
+    assert rc == 0, out[-3000:]
+    assert "resumed from" in out
+    assert losses(workdir) == ref, (killed_at, losses(workdir), ref)  # bitwise: floats compared exactly
+
+
+@pytest.mark.slow
+def test_sigterm_writes_a_checkpoint_and_exits_0(reference, tmp_path):
+    workdir = str(tmp_path)
+    p = launch(workdir)
+    wait_for_step(p, workdir, 3)
+    p.send_signal(signal.SIGTERM)
+    rc, out = finish(p)
+    assert rc == 0, out[-3000:]
+    assert "SIGTERM: checkpoint written at step" in out
+    last = max(losses(workdir))
+    ck = Checkpoints(workdir)
+    assert max(ck.steps()) == last
+    ck.close()
+    assert not os.path.exists(os.path.join(workdir, "summary.json"))
+    rc, out = finish(launch(workdir))  # and it resumes to the same result
+    assert rc == 0 and losses(workdir) == losses(reference)
+
+
+@pytest.mark.slow
+def test_truncated_newest_checkpoint_is_skipped(reference, tmp_path):
+    import shutil
+
+    workdir = str(tmp_path / "run")
+    shutil.copytree(reference, workdir)
+    os.remove(os.path.join(workdir, "summary.json"))
+    newest = os.path.join(workdir, "checkpoints", str(STEPS), "model")
+    for root, _, files in os.walk(newest):
+        for f in files:
+            path = os.path.join(root, f)
+            with open(path, "r+b") as fh:
+                fh.truncate(max(os.path.getsize(path) // 3, 0))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, meta, step = load_model_state(workdir)
+    assert step == STEPS - 2 and meta["step"] == STEPS - 2
+    assert any(f"checkpoints/{STEPS} is unreadable" in str(w.message) for w in caught)
+    rc, out = finish(launch(workdir))
+    assert rc == 0, out[-3000:]
+    assert f"resumed from {os.path.join(workdir, 'checkpoints', str(STEPS - 2))}" in out
+    assert losses(workdir) == losses(reference)
+
+
+@pytest.mark.slow
+def test_nan_never_reaches_a_checkpoint(reference, tmp_path):
+    stop = str(tmp_path / "stop")
+    rc, out = finish(launch(stop, "--config.train.inject_nan_at_step=5", "--config.train.nan_policy=stop"))
+    assert rc == 1 and "non-finite loss" in out and "last good checkpoint is step 4" in out, out[-3000:]
+    ck = Checkpoints(stop)
+    assert ck.steps() == [2, 4]
+    ck.close()
+    a, b = model_state(stop, 4), model_state(reference, 4)
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    skip = str(tmp_path / "skip")
+    rc, out = finish(launch(skip, "--config.train.inject_nan_at_step=5"))
+    assert rc == 0, out[-3000:]
+    summary = json.load(open(os.path.join(skip, "summary.json")))
+    assert summary["skipped_steps"] == 1 and np.isfinite(summary["last_loss"])
+    state = model_state(skip, STEPS)
+    assert all(np.all(np.isfinite(v)) for v in state.values())
+
+
+def bad(base, path, value):
+    c = base()
+    node = c
+    *parents, leaf = path.split(".")
+    for name in parents:
+        node = node[name]
+    node[leaf] = value
+    return c
+
+
+INVALID = [
+    ("train.steps", 0), ("train.seq_len", -1), ("train.log_every", 0), ("train.nan_policy", "ignore"),
+    ("train.mode", "flash"), ("train.index_loss_weight", -1.0), ("train.checkpoint_every", 0),
+    ("train.keep_checkpoints", 0), ("train.seq_len", 512), ("train.eval_batches", -1), ("stage", "finetune"),
+    ("model.index_topk", 0), ("model.num_attention_heads", -1), ("model.vocab_size", 100), ("optim.name", "sgd"),
+    ("optim.lr", -1.0), ("data.format", "csv"), ("data.eval_fraction", 1.5), ("data.max_doc_chars", 0),
+    ("init_from", "/nonexistent/run"),
+]
+
+
+@pytest.mark.parametrize("path,value", INVALID, ids=[p for p, _ in INVALID])
+def test_invalid_configs_name_the_field(path, value, tmp_path):
+    assert len(INVALID) >= 20
+    c = bad(tiny.get_config, path, value)
+    field = path.split(".")[-1]
+    with pytest.raises((ConfigError, FileNotFoundError), match=field):
+        run(c, str(tmp_path), progress=False)
+    assert not os.path.exists(os.path.join(tmp_path, "checkpoints"))
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda c: c.update(stage="dense_warmup"), "init_from"),
+    (lambda c: c.update(recipe=("pretrain", "rlhf")), "recipe"),
+    (lambda c: c.stages.dense_warmup.train.update(bogus=1), "bogus"),
+    (lambda c: c.stages.indexshare.model.update(indexer_types=("full",) * 6), "indexer_types"),
+])
+def test_invalid_stage_setups_name_the_field(change, match, tmp_path):
+    c = recipe_tiny.get_config()
+    change(c)
+    with pytest.raises(ConfigError, match=match):
+        run(c, str(tmp_path), progress=False)
