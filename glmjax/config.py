@@ -61,6 +61,8 @@ class ModelConfig:
     dtype: str = "float32"  # compute dtype of matmuls; softmax/norm stats/router/indexer weights/losses are f32
     param_dtype: str = "float32"
     moe_impl: str = "auto"  # "auto" (ragged_dot on TPU, blocked elsewhere) | "ragged_dot" | "blocked"
+    moe_dispatch: str = "auto"  # expert parallelism: "auto" (ragged on TPU) | "all_to_all" | "ragged_all_to_all"
+    moe_capacity_factor: float = 0.0  # expert parallelism: 0 = dropless; f > 0 = f x the mean rows per expert shard
     attention_impl: str = "xla"  # "xla": top-k + gathered attention in XLA; "pallas": pallas_kernels/ (interpret off TPU)
     block_q: int = 256  # query block of the indexer top-k and the sparse attention (bounds [bq, T] / [bq, k] temps)
     loss_chunk: int = 512  # sequence chunk of the LM-head loss (never [B, S, V] at once)
@@ -188,6 +190,10 @@ class ModelConfig:
             fail("attention_impl", f"must be one of {sorted(ATTENTION_IMPLS)}")
         if self.moe_impl not in ("auto", "ragged_dot", "blocked"):
             fail("moe_impl", "must be one of auto, ragged_dot, blocked")
+        if self.moe_dispatch not in ("auto", "all_to_all", "ragged_all_to_all"):
+            fail("moe_dispatch", "must be one of auto, all_to_all, ragged_all_to_all")
+        if self.moe_capacity_factor < 0:
+            fail("moe_capacity_factor", "must be >= 0 (0 = dropless)")
         if self.remat not in REMAT_POLICIES:
             fail("remat", f"must be one of {list(REMAT_POLICIES)}")
         if self.rope_scaling:

@@ -43,6 +43,7 @@ from glmjax.interop import keymap
 from glmjax.interop.keymap import Spec, config_from_hf, config_to_hf, plan_keys, to_hf, to_ours
 from glmjax.interop.safetensors_io import DTYPES, Reader, TensorInfo, read_header, write_file
 from glmjax.model import GLM
+from glmjax.parallel.rules import logical_sharding  # noqa: F401  (re-exported: `sharding=` for load_hf)
 
 log = logging.getLogger("glmjax.interop")
 
@@ -90,21 +91,6 @@ class HFLayout:
 
 
 ShardingSpec = Callable[[tuple, tuple | None, tuple], jax.sharding.Sharding] | jax.sharding.Sharding | None
-
-
-def logical_sharding(mesh: jax.sharding.Mesh, rules: Mapping[str, Any]) -> Callable:
-    """A `sharding=` callable: logical axis names (the parameters' `out_sharding` metadata) -> mesh axes via `rules`;
-    a dimension the mesh axes do not divide is replicated."""
-
-    def fn(path, axes, shape):
-        spec = []
-        for dim, ax in zip(shape, axes or (None,) * len(shape)):
-            m = rules.get(ax) if ax is not None else None
-            size = math.prod(mesh.shape[a] for a in ((m,) if isinstance(m, str) else (m or ())))
-            spec.append(m if m is not None and dim % size == 0 else None)
-        return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
-
-    return fn
 
 
 def _resolve_sharding(sharding: ShardingSpec, path, var) -> jax.sharding.Sharding:

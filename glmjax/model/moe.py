@@ -141,7 +141,7 @@ class MoE(nnx.Module):
         EP = mesh.shape[ep] if ep else 1
         dispatch = cfg.moe_dispatch
         if dispatch == "auto":
-            dispatch = "ragged_all_to_all" if jax.default_backend() == "tpu" else "all_to_all"
+            dispatch = "ragged_all_to_all" if platform(mesh) == "tpu" else "all_to_all"
 
         def body(x, ids, w, wg, wu, wd):
             if d_axes:  # FSDP: gather the model width of this shard's experts (the backward reduce-scatters)
@@ -169,10 +169,18 @@ def _axes(spec, i) -> tuple[str, ...]:
     return () if a is None else (a,) if isinstance(a, str) else tuple(a)
 
 
+def platform(mesh=None) -> str:
+    """The platform the code is traced for: the mesh's devices (AOT compiles for TPU from a CPU host), else the
+    default backend."""
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+    dev = None if mesh.empty else mesh.abstract_device
+    return dev.platform if dev is not None else jax.default_backend()
+
+
 def grouped_matmul(cfg: ModelConfig):
     impl = cfg.moe_impl
     if impl == "auto":
-        impl = "ragged_dot" if jax.default_backend() == "tpu" else "blocked"
+        impl = "ragged_dot" if platform() == "tpu" else "blocked"
     return grouped_matmul_ragged if impl == "ragged_dot" else grouped_matmul_blocked
 
 

@@ -1,0 +1,101 @@
+"""The one table of logical-axis rules: every logical axis name a parameter (`out_sharding` metadata, see
+`glmjax/model/layers.py::param`) or an activation carries -> the mesh axes that shard it.
+
+Mesh axes (see `glmjax/parallel/mesh.py`):
+  data    pure data parallelism: parameters replicated, batch split
+  fsdp    batch split *and* parameters / optimizer state split along their "embed" dimension (ZeRO-3)
+  expert  batch split; routed experts split along "experts" (tokens travel by all-to-all, `glmjax/model/moe.py`);
+          every other weight is split along "embed" over it as well, so it acts as a second FSDP axis for them
+  tensor  Megatron-style: attention heads, MLP / expert hidden and vocabulary split; the batch is *not* split
+
+A dimension takes the mesh axes of its rule, left to right over the array's dimensions, skipping mesh axes that an
+earlier dimension already took and stopping before an axis whose size would not divide the dimension (that part of
+the dimension stays replicated). E.g. experts_gate [E, D, I] ("experts", "embed", "expert_mlp") -> P("expert",
+"fsdp", "tensor"): "embed" asks for (fsdp, expert) but "experts" took expert first.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
+
+LOGICAL_RULES: dict[str, tuple[str, ...]] = {
+    # activations
+    "batch": ("data", "fsdp", "expert"),  # every axis that splits tokens; tensor ranks share their tokens
+    # parameters
+    "vocab": ("tensor",),  # embed_tokens [V, D], lm_head [D, V]
+    "embed": ("fsdp", "expert"),  # the model width D of every weight: the FSDP dimension
+    "heads": ("tensor",),  # MLA q_b_proj, kv_b_proj, o_proj
+    "head_dim": (),
+    "q_lora": (),
+    "kv_lora": (),
+    "index_heads": (),  # the indexer is small and frozen outside its KL stages: FSDP over "embed" only
+    "index_head_dim": (),
+    "mlp": ("tensor",),  # dense MLP and shared-expert hidden
+    "experts": ("expert",),  # routed experts [E, ...]
+    "expert_mlp": ("tensor",),  # routed-expert hidden I
+    "experts_router": (),  # router gate [D, E] and correction bias [E]: every rank routes its own tokens
+    "mtp_in": (),  # MTP eh_proj input [2D]
+    "norm": (),
+    "layers": (),  # the scanned stack axis: one layer's weights are gathered at a time
+}
+
+
+def _as_tuple(m) -> tuple[str, ...]:
+    return (m,) if isinstance(m, str) else tuple(m or ())
+
+
+def logical_spec(axes: Sequence[str | None] | None, shape: Sequence[int], mesh,
+                 rules: Mapping[str, Any] | None = None) -> P:
+    """Logical axis names + shape -> PartitionSpec on `mesh` (a Mesh or AbstractMesh) by the rules (see module doc).
+    A name without a rule, and a mesh axis the mesh lacks, are replicated (tests check that every name the model
+    uses has a rule in LOGICAL_RULES)."""
+    rules = LOGICAL_RULES if rules is None else rules
+    axes = tuple(axes) if axes is not None else (None,) * len(shape)
+    if len(axes) != len(shape):
+        raise ValueError(f"logical axes {axes} do not match shape {tuple(shape)}")
+    sizes = dict(mesh.shape)
+    used: set[str] = set()
+    spec = []
+    for dim, name in zip(shape, axes):
+        took, size = [], 1
+        for m in _as_tuple(rules.get(name) if name is not None else None):
+            if m not in sizes or m in used or sizes[m] == 1:
+                continue
+            if dim % (size * sizes[m]):
+                break
+            took.append(m)
+            size *= sizes[m]
+        used.update(took)
+        spec.append(None if not took else took[0] if len(took) == 1 else tuple(took))
+    return P(*spec)
+
+
+def logical_sharding(mesh: jax.sharding.Mesh, rules: Mapping[str, Any] | None = None) -> Callable:
+    """A `sharding=` callable for `glmjax.interop.load_hf`: (path, logical axes, shape) -> NamedSharding."""
+
+    def fn(path, axes, shape):
+        del path
+        return NamedSharding(mesh, logical_spec(axes, shape, mesh, rules))
+
+    return fn
+
+
+def batch_axes(mesh, rules: Mapping[str, Any] | None = None) -> tuple[str, ...]:
+    """The mesh axes (size > 1) that split the batch (the "batch" rule)."""
+    rules = LOGICAL_RULES if rules is None else rules
+    return tuple(a for a in _as_tuple(rules["batch"]) if dict(mesh.shape).get(a, 1) > 1)
+
+
+def batch_spec(mesh, rules: Mapping[str, Any] | None = None) -> P:
+    """PartitionSpec of [B, ...] inputs: B split over the batch axes."""
+    ax = batch_axes(mesh, rules)
+    return P(ax if ax else None)
+
+
+def num_batch_shards(mesh, rules: Mapping[str, Any] | None = None) -> int:
+    return math.prod(dict(mesh.shape)[a] for a in batch_axes(mesh, rules))
