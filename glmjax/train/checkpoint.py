@@ -9,6 +9,8 @@ down and skips any it cannot read (truncated or corrupt files), with a warning.
 from __future__ import annotations
 
 import os
+import shutil
+import time
 import warnings
 
 import jax
@@ -36,7 +38,9 @@ class Checkpoints:
 
     def restore_latest(self, model_state, opt_state):
         """Newest readable checkpoint -> (step, model_state, opt_state, data_state, meta), or None if there is none.
-        model_state / opt_state: templates (arrays or jax.ShapeDtypeStruct) giving structure, dtypes, shardings."""
+        model_state / opt_state: templates (arrays or jax.ShapeDtypeStruct) giving structure, dtypes, shardings.
+        Unreadable newer checkpoints are moved to workdir/corrupt_checkpoints/ (kept for inspection), so the
+        resumed run can write those steps again."""
         for step in reversed(self.steps()):
             try:
                 r = self.manager.restore(step, args=ocp.args.Composite(
@@ -47,7 +51,15 @@ class Checkpoints:
             except Exception as e:  # noqa: BLE001 -- any unreadable checkpoint is skipped, never fatal
                 warnings.warn(f"checkpoint {self.directory}/{step} is unreadable and was skipped: "
                               f"{type(e).__name__}: {str(e)[:300]}", stacklevel=2)
+                self._set_aside(step)
         return None
+
+    def _set_aside(self, step: int) -> None:
+        if jax.process_index() == 0:
+            aside = os.path.join(os.path.dirname(self.directory), "corrupt_checkpoints")
+            os.makedirs(aside, exist_ok=True)
+            shutil.move(os.path.join(self.directory, str(step)), os.path.join(aside, f"{step}.{time.time():.0f}"))
+        self.manager.reload()
 
     def close(self) -> None:
         self.manager.wait_until_finished()
