@@ -6,7 +6,8 @@
 | `sparse_mla`      | `sparse_mla`            | `glmjax.model.sparse_attention.sparse_mla_xla`       |
 | `index_scores`    | `gathered_index_logits` | `glmjax.model.indexer.gathered_index_logits` (XLA, custom VJP) |
 
-Importing the package registers "pallas" in `glmjax.model.mla.INDEX_TOPK` and `SPARSE_ATTENTION`, which is what
+Importing the package registers "pallas" in `glmjax.model.mla.INDEX_TOPK`, `SPARSE_ATTENTION` and
+`GATHERED_INDEX_LOGITS` (the sparse-stage indexer loss), which is what
 `ModelConfig(attention_impl="pallas")` selects. Off TPU the kernels run in Pallas' TPU interpret mode
 (`common.interpret_params`); the block-size table of each kernel is in its module docstring.
 """
@@ -17,5 +18,6 @@ from pallas_kernels.sparse_mla import sparse_mla
 
 _mla.INDEX_TOPK["pallas"] = index_topk
 _mla.SPARSE_ATTENTION["pallas"] = sparse_mla
+_mla.GATHERED_INDEX_LOGITS["pallas"] = gathered_index_logits
 
 __all__ = ["gathered_index_logits", "index_topk", "sparse_mla"]

@@ -271,8 +271,8 @@ def test_gathered_index_logits_values_and_custom_vjp():
 
 
 def test_pallas_registers_in_the_dispatch_tables():
-    assert kernels("pallas") == (index_topk, sparse_mla)
-    assert kernels("xla") == (ref_indexer.index_topk, sparse_mla_xla)
+    assert kernels("pallas") == (index_topk, sparse_mla, gathered_index_logits)
+    assert kernels("xla") == (ref_indexer.index_topk, sparse_mla_xla, ref_indexer.gathered_index_logits)
 
 
 def train_losses(impl: str, steps: int = 3):

@@ -19,13 +19,15 @@ from glmjax.model.sparse_attention import sparse_attention_probs, sparse_mla_xla
 
 SPARSE_ATTENTION = {"xla": sparse_mla_xla}
 INDEX_TOPK = {"xla": index_topk}
+GATHERED_INDEX_LOGITS = {"xla": gathered_index_logits}
 
 
 def kernels(impl: str):
-    """(index top-k, sparse attention) functions of `attention_impl`; the Pallas kernels register on first use."""
+    """(index top-k, sparse attention, gathered index scores) of `attention_impl`; the Pallas kernels register
+    on first use."""
     if impl not in SPARSE_ATTENTION:
-        import pallas_kernels  # noqa: F401  (adds "pallas" to both tables)
-    return INDEX_TOPK[impl], SPARSE_ATTENTION[impl]
+        import pallas_kernels  # noqa: F401  (adds "pallas" to the tables)
+    return INDEX_TOPK[impl], SPARSE_ATTENTION[impl], GATHERED_INDEX_LOGITS[impl]
 
 
 class Ctx(NamedTuple):
@@ -100,7 +102,7 @@ class MLA(nnx.Module):
             if ctx.mode == "dense":  # absorbed attention over every visible cache row (SPEC D.2)
                 o_lat = dense_mla_absorbed(q_abs, latent, visible(q_seg, k_seg, q_idx), cfg.softmax_scale, r_kv)
             else:
-                topk_fn, attend = kernels(cfg.attention_impl)
+                topk_fn, attend, gathered_scores = kernels(cfg.attention_impl)
                 if self.indexer is not None:
                     qi, ki, wi = self.indexer(x, q_resid, ctx.cos, ctx.sin)
                     if cache is not None:
@@ -112,7 +114,7 @@ class MLA(nnx.Module):
                     stats["attn_p"] = sparse_attention_probs(q_abs, latent, topk, lse, scale=cfg.softmax_scale,
                                                              block_q=cfg.block_q)
                     if self.indexer is not None:
-                        stats["index_logits"] = gathered_index_logits(qi, ki, wi, topk, cfg.block_q)
+                        stats["index_logits"] = gathered_scores(qi, ki, wi, topk, cfg.block_q)
             o = jnp.einsum("bshc,chv->bshv", o_lat, w_uv)
         else:
             raise ValueError(f"attention mode {ctx.mode!r}: must be 'dense' or 'sparse'")

@@ -1,0 +1,1 @@
+"""Command-line tools: `python -m glmjax.tools.topk_overlap`."""
