@@ -4,6 +4,7 @@ import ml_collections
 
 from glmjax.data import default_data_config
 from glmjax.optim.config import default_optim_config
+from glmjax.parallel import default_parallel_config
 from glmjax.train.config import default_train_config, experiment_fields
 
 
@@ -41,4 +42,5 @@ def get_config():
     c.train = default_train_config(seq_len=256, batch_size=8, steps=500,
                                    mode="sparse", log_every=10, eval_every=100, eval_batches=4)
     c.data = default_data_config()  # None path: the embedded stdlib corpus
+    c.parallel = default_parallel_config()  # mesh: data=-1 (all devices) x fsdp x expert x tensor
     return experiment_fields(c)  # stage: pretrain

@@ -37,10 +37,11 @@ def state(workdir):
 def test_tiny_recipe_chains_all_four_stages(tmp_path):
     c = recipe_tiny.get_config()
     c.data.max_docs = 200
+    c.parallel.num_devices = 1  # one device (the 8 virtual CPU devices: tests/test_parallel.py)
     c.train.update(seq_len=64, batch_size=8, log_every=1, eval_batches=2, checkpoint_every=1000)
     c.optim.warmup_steps = 3
-    c.stages.pretrain.train.steps = 80
-    for name, steps in (("dense_warmup", 25), ("sparse_adapt", 10), ("indexshare", 25)):
+    c.stages.pretrain.train.steps = 60
+    for name, steps in (("dense_warmup", 20), ("sparse_adapt", 8), ("indexshare", 25)):
         c.stages[name].train.steps = steps
         c.stages[name].train.eval_every = 0
     out = run(c, str(tmp_path), progress=False)

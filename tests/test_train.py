@@ -105,8 +105,9 @@ def test_tiny_training_run_loss_falls(tmp_path):
     loss (LM + MTP) must fall by at least 2.0 nats from its ~6.9 start, the held-out loss must be below 4.5."""
     c = tiny.get_config()
     c.model.mtp_depth = 1
-    c.train.update(steps=40, batch_size=4, seq_len=64, log_every=10, eval_every=0, eval_batches=2)
+    c.train.update(steps=40, batch_size=8, seq_len=64, log_every=10, eval_every=0, eval_batches=2)
     c.data.max_docs = 100
+    c.parallel.num_devices = 1
     c.optim.warmup_steps = 10
     summary = train(c, str(tmp_path), progress=False)
     assert summary["first_loss"] > 6.0

@@ -34,6 +34,7 @@ def default_parallel_config(**overrides) -> ml_collections.ConfigDict:
     c.fsdp = 1
     c.expert = 1
     c.tensor = 1
+    c.num_devices = 0  # 0 = every device; N = the first N (e.g. to leave devices to a rollout worker, or in tests)
     c.num_slices = 0  # 0 = count the devices' slice_index values; the data axis spans the slices
     # multi-host (jax.distributed.initialize); unset fields fall back to $GLMJAX_COORDINATOR_ADDRESS,
     # $GLMJAX_NUM_PROCESSES, $GLMJAX_PROCESS_ID; auto_detect=True lets JAX find them (TPU pods, SLURM, ...)
@@ -74,6 +75,10 @@ def mesh_shape(pc, num_devices: int) -> dict[str, int]:
 def make_mesh(pc=None, devices: Sequence | None = None) -> Mesh:
     """Mesh with axes ("data", "fsdp", "expert", "tensor") from a `parallel` config section (None: all data)."""
     devices = list(jax.devices() if devices is None else devices)
+    n = _get(pc, "num_devices", 0) or len(devices)
+    if not isinstance(n, int) or not 1 <= n <= len(devices):
+        raise ConfigError(f"parallel.num_devices={n!r}: must be 0 (all) or in [1, {len(devices)}]")
+    devices = devices[:n]
     sizes = mesh_shape(pc, len(devices))
     shape = tuple(sizes[a] for a in MESH_AXES)
     slices = _get(pc, "num_slices", 0) or len({getattr(d, "slice_index", 0) for d in devices})

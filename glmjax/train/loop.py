@@ -32,8 +32,10 @@ from glmjax.model.transformer import GLM, Batch
 from glmjax.optim import validate_optim_config
 from glmjax.train.checkpoint import Checkpoints, load_model_state
 from glmjax.train.config import stage_config, validate_recipe, validate_stage, validate_train_config
-from glmjax.train.stages import STAGES, surgery
-from glmjax.train.step import count_params, make_eval_step, make_optimizer, make_train_step, split_model
+from glmjax.parallel import (batch_sharding, create_sharded, global_batch, init_opt_state, initialize_distributed,
+                             make_mesh, num_batch_shards, process_rows, shardings_of)
+from glmjax.train.stages import STAGES, TRAINABLE, surgery
+from glmjax.train.step import count_params, make_eval_step, make_optimizer, make_train_step
 
 # Peak dense bf16 FLOP/s per chip, by jax device_kind prefix (for MFU). Unknown chips and CPUs report "n/a".
 PEAK_FLOPS = {"TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12, "TPU v5": 459e12,
@@ -52,8 +54,9 @@ def to_batch(b: dict) -> Batch:
 
 
 def evaluate(eval_step, params, rest, batches) -> dict:
-    """Token-mean LM loss over all eval batches (exact: sums of NLL / counts), plus means of the other metrics."""
-    outs = [jax.device_get(eval_step(params, rest, to_batch(b))) for b in batches]
+    """Token-mean LM loss over all eval batches (exact: sums of NLL / counts), plus means of the other metrics.
+    batches: Batch tuples or dicts of arrays."""
+    outs = [jax.device_get(eval_step(params, rest, b if isinstance(b, Batch) else to_batch(b))) for b in batches]
     m = {"eval_loss": float(sum(o["lm_nll_sum"] for o in outs) / max(sum(o["lm_tokens"] for o in outs), 1.0))}
     for k in outs[0]:
         if k not in ("lm_nll_sum", "lm_tokens"):
@@ -62,7 +65,9 @@ def evaluate(eval_step, params, rest, batches) -> dict:
 
 
 def run(config, workdir: str, progress: bool = True) -> dict:
-    """One stage (config.stage) or the whole recipe (config.stage == "recipe") -> summary (per stage for a recipe)."""
+    """One stage (config.stage) or the whole recipe (config.stage == "recipe") -> summary (per stage for a recipe).
+    Starts multi-host JAX first when config.parallel / the environment asks for it (glmjax.parallel.mesh)."""
+    initialize_distributed(config.parallel if "parallel" in config else None)
     if config.stage != "recipe":
         return train(stage_config(config, config.stage), workdir, progress)
     validate_recipe(config)
@@ -113,28 +118,40 @@ def train(config, workdir: str, progress: bool = True) -> dict:
     with open(os.path.join(workdir, "config.json"), "w") as f:
         f.write(config.to_json(indent=2))
 
+    mesh = make_mesh(config.parallel if "parallel" in config else None)
     pid, nproc = jax.process_index(), jax.process_count()
+    rows = process_rows(batch_sharding(mesh), t.batch_size)
+    share = t.batch_size // nproc
+    if t.batch_size % num_batch_shards(mesh) or not np.array_equal(rows, np.arange(pid * share, (pid + 1) * share)):
+        raise ConfigError(f"train.batch_size={t.batch_size}: must split evenly over the mesh's "
+                          f"{num_batch_shards(mesh)} batch shards ({dict(mesh.shape)}) and the {nproc} processes")
     data = make_pipeline(data_cfg, t.seq_len, t.batch_size, t.seed, "train", pid, nproc)
     eval_data = make_pipeline(data_cfg, t.seq_len, t.batch_size, t.seed, "eval", pid, nproc) \
         if t.eval_batches else None
     eval_set = eval_data.take(t.eval_batches) if eval_data else []
     if cfg.vocab_size < data.tokenizer.vocab_size:
         raise ConfigError(f"model.vocab_size={cfg.vocab_size}: must be >= the tokenizer's {data.tokenizer.vocab_size}")
-    print(f"data: {data!r}; {len(eval_set)} eval batches")
+    print(f"data: {data!r}; {len(eval_set)} eval batches; mesh {dict(mesh.shape)}, {nproc} process(es)")
 
-    model = GLM(cfg, nnx.Rngs(t.seed))
+    def global_rows(b):  # this process's rows -> one global, batch-sharded Batch
+        return to_batch(global_batch(b, mesh, t.batch_size))
+
+    trainable = TRAINABLE[stage.trainable]
+    graphdef, params, rest = create_sharded(lambda: GLM(cfg, nnx.Rngs(t.seed)), mesh, trainable, ...)
     ckpt = Checkpoints(workdir, t.keep_checkpoints, t.async_checkpoints)
     if config.init_from and not ckpt.steps():
+        model = nnx.merge(graphdef, params, rest)
         for line in init_model(model, config.init_from):
             print(f"init_from {config.init_from}: {line}")
-    graphdef, params, rest = split_model(model, stage.trainable)
-    n_train, n_all = count_params(params), count_params(nnx.state(model, nnx.Param))
+        _, new_params, new_rest = nnx.split(model, trainable, ...)
+        params, rest = jax.device_put((new_params, new_rest), (shardings_of(params), shardings_of(rest)))
+        del model
+    n_train, n_all = count_params(params), count_params(nnx.merge_state(params, rest).filter(nnx.Param))
     print(f"stage {config.stage}: attention {mode}, trains {stage.trainable} ({n_train:,} of {n_all:,} params); "
           f"{t.batch_size}x{t.seq_len} tokens/step, {t.steps} steps")
-    del model
     tx, groups = make_optimizer(params, config.optim, t.steps, cfg)
     print(groups)
-    opt_state = tx.init(params)
+    opt_state = init_opt_state(tx, params, mesh)
 
     start_step, it = 0, iter(data)
     restored = ckpt.restore_latest(nnx.merge_state(params, rest).to_pure_dict(), opt_state)
@@ -142,13 +159,16 @@ def train(config, workdir: str, progress: bool = True) -> dict:
         start_step, model_state, opt_state, data_state, meta = restored
         state = nnx.merge_state(params, rest)
         nnx.replace_by_pure_dict(state, model_state)
-        _, params, rest = split_model(nnx.merge(graphdef, state), stage.trainable)
-        it.set_state(data_state)
+        _, params, rest = nnx.split(nnx.merge(graphdef, state), trainable, ...)
+        if len(data_state["processes"]) != nproc:
+            raise ConfigError(f"checkpoint {ckpt.directory}/{start_step} was written by "
+                              f"{len(data_state['processes'])} processes; resuming needs the same count, not {nproc}")
+        it.set_state(data_state["processes"][pid])
         print(f"resumed from {ckpt.directory}/{start_step} (stage {meta.get('stage')})")
 
     train_step = make_train_step(graphdef, tx, stage, mode, t.bias_update_rate, t.index_loss_weight,
-                                 t.inject_nan_at_step)
-    eval_step = make_eval_step(graphdef, stage, mode)
+                                 t.inject_nan_at_step, mesh=mesh, state=(params, rest, opt_state))
+    eval_step = make_eval_step(graphdef, stage, mode, mesh=mesh, state=(params, rest))
     flops_mode = "dense" if mode == "dense" else "dsa_indexshare"
     train_flops = flops_per_token(cfg, t.seq_len, "training", flops_mode)["total"]
     peak = peak_flops(jax.devices()[0])
@@ -156,7 +176,8 @@ def train(config, workdir: str, progress: bool = True) -> dict:
 
     def save(step):
         meta = {"step": step, "stage": config.stage, "model": model_config_json(cfg)}
-        ckpt.save(step, nnx.merge_state(params, rest).to_pure_dict(), opt_state, it.get_state(), meta)
+        ckpt.save(step, nnx.merge_state(params, rest).to_pure_dict(), opt_state,
+                  {"processes": all_processes(it.get_state())}, meta)
 
     stop = {"signal": None}
 
@@ -183,7 +204,7 @@ def train(config, workdir: str, progress: bool = True) -> dict:
 
             for step in range(start_step + 1, t.steps + 1):
                 b = next(it)
-                params, rest, opt_state, m = train_step(params, rest, opt_state, to_batch(b), jnp.int32(step))
+                params, rest, opt_state, m = train_step(params, rest, opt_state, global_rows(b), jnp.int32(step))
                 window_tokens += int(np.sum(b["segment_ids"] > 0)) * nproc
                 if int(m["skipped"]):
                     summary["skipped_steps"] += 1
@@ -217,7 +238,7 @@ def train(config, workdir: str, progress: bool = True) -> dict:
                     window_t, window_tokens = time.perf_counter(), 0
                 if eval_set and ((t.eval_every and step % t.eval_every == 0) or step == t.steps):
                     e0 = time.perf_counter()
-                    e = evaluate(eval_step, params, rest, eval_set)
+                    e = evaluate(eval_step, params, rest, [global_rows(b) for b in eval_set])
                     write({"step": step, **e})
                     bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in e.items()))
                     summary.update(e)
@@ -246,6 +267,20 @@ def train(config, workdir: str, progress: bool = True) -> dict:
     print("done: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()
                                if not isinstance(v, dict)))
     return summary
+
+
+def all_processes(state: dict) -> list[dict]:
+    """Every process's (JSON-able) data-iterator state, in process order, on every process."""
+    if jax.process_count() == 1:
+        return [state]
+    from jax.experimental import multihost_utils
+
+    raw = np.frombuffer(json.dumps(state).encode(), np.uint8)
+    sizes = multihost_utils.process_allgather(np.asarray([raw.size]))
+    padded = np.zeros(int(np.max(sizes)), np.uint8)
+    padded[:raw.size] = raw
+    everyone = multihost_utils.process_allgather(padded)
+    return [json.loads(bytes(row[:int(n)]).decode()) for row, n in zip(everyone, np.ravel(sizes))]
 
 
 def init_model(model: GLM, path: str) -> list[str]:

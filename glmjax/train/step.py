@@ -36,9 +36,28 @@ def load_stats(expert_load):
     return jnp.mean(jnp.max(load, -1) / jnp.maximum(jnp.mean(load, -1), 1e-9))
 
 
+def jit_step(fn, mesh=None, state=None, donate: bool = True):
+    """jax.jit of fn(*state, batch, *scalars). With a mesh: explicit shardings -- the state arguments keep the
+    shardings of `state` (their arrays), the batch is split over the mesh's batch axes, scalars and the metrics
+    are replicated -- and fn is traced with the mesh in context (expert parallelism reads it)."""
+    donated = tuple(range(len(state) if state is not None else 3)) if donate else ()
+    if mesh is None:
+        return jax.jit(fn, donate_argnums=donated)
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from glmjax.parallel import batch_sharding, shardings_of, with_mesh
+
+    state_sh = tuple(shardings_of(x) for x in state)
+    rep = NamedSharding(mesh, PartitionSpec())
+    n_scalars = 1 if len(state) == 3 else 0  # the train step takes the step number
+    return jax.jit(with_mesh(fn, mesh), in_shardings=(*state_sh, batch_sharding(mesh)) + (rep,) * n_scalars,
+                   out_shardings=(*state_sh, rep) if len(state) == 3 else rep, donate_argnums=donated)
+
+
 def make_train_step(graphdef, tx, stage: Stage | str, mode: str, bias_rate: float, index_loss_weight: float = 1.0,
-                    inject_nan_at: int | None = None):
-    """-> train_step(params, rest, opt_state, batch, step) -> (params, rest, opt_state, metrics), jitted, donating.
+                    inject_nan_at: int | None = None, mesh=None, state=None):
+    """-> train_step(params, rest, opt_state, batch, step) -> (params, rest, opt_state, metrics), jitted, donating
+    (with `mesh`: explicit shardings from state = (params, rest, opt_state), see `jit_step`).
 
     A step whose loss or gradient norm is not finite changes nothing (params, optimizer state and router biases
     stay as they were) and reports metrics["skipped"] = 1. inject_nan_at (tests only) multiplies the loss of that
@@ -46,7 +65,6 @@ def make_train_step(graphdef, tx, stage: Stage | str, mode: str, bias_rate: floa
     stage = STAGES[stage] if isinstance(stage, str) else stage
     weights = dict(lm_weight=stage.lm_weight, index_loss_weight=index_loss_weight if stage.index_loss else 0.0)
 
-    @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
     def train_step(params, rest, opt_state, batch: Batch, step):
         def loss_fn(p):
             loss, m = nnx.merge(graphdef, p, rest).loss(batch, mode, **weights)
@@ -72,16 +90,15 @@ def make_train_step(graphdef, tx, stage: Stage | str, mode: str, bias_rate: floa
         metrics["skipped"] = 1 - ok.astype(jnp.int32)
         return keep(new_params, params), keep(new_rest, rest), keep(new_opt, opt_state), metrics
 
-    return train_step
+    return jit_step(train_step, mesh, state)
 
 
-def make_eval_step(graphdef, stage: Stage | str, mode: str):
+def make_eval_step(graphdef, stage: Stage | str, mode: str, mesh=None, state=None):
     """-> eval_step(params, rest, batch) -> sums for exact token means: LM NLL, MTP loss, and for stages with an
     indexer loss the indexer KL plus (dense diagnostics) the indexer's top-k recall of the attention's own top-k
     and the adjacent-layer top-k overlaps."""
     stage = STAGES[stage] if isinstance(stage, str) else stage
 
-    @jax.jit
     def eval_step(params, rest, batch: Batch):
         model = nnx.merge(graphdef, params, rest)
         _, m = model.loss(batch, mode, index_loss_weight=1.0 if stage.index_loss else 0.0)
@@ -90,7 +107,7 @@ def make_eval_step(graphdef, stage: Stage | str, mode: str):
             out.update(topk_stats(model, batch))
         return out
 
-    return eval_step
+    return jit_step(eval_step, mesh, state, donate=False)
 
 
 def topk_stats(model: GLM, batch: Batch) -> dict:
