@@ -1,5 +1,4 @@
-"""The byte tokenizer, the router-bias row mapping, and a short real training run of the tiny config."""
-import json
+"""The byte tokenizer and the router-bias row mapping (training runs: test_recipe.py, test_train_sharded.py)."""
 import os
 import sys
 
@@ -11,7 +10,6 @@ from flax import nnx
 from glmjax.config import ModelConfig
 from glmjax.data import ByteTokenizer
 from glmjax.model.transformer import GLM, Batch
-from glmjax.train import train
 from glmjax.train.router_bias import router_bias_slots, update_router_bias
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -94,28 +92,3 @@ def test_update_router_bias_sign_rule():
     np.testing.assert_allclose(bias[8], 0.5 * np.sign(load[7:].sum(0).mean() - load[7:].sum(0)))  # MTP: depths summed
     with pytest.raises(ValueError, match="rows"):
         update_router_bias(model, jnp.asarray(load[:-1]), rate=0.5)
-
-
-# ------------------------------------------------------------------------------------------------ training
-
-
-@pytest.mark.slow
-def test_tiny_training_run_loss_falls(tmp_path):
-    """40 steps of the tiny model (sparse attention, MTP, group-limited routing) on the stdlib corpus: the total
-    loss (LM + MTP) must fall by at least 2.0 nats from its ~6.9 start, the held-out loss must be below 4.5."""
-    c = tiny.get_config()
-    c.model.mtp_depth = 1
-    c.train.update(steps=40, batch_size=8, seq_len=64, log_every=10, eval_every=0, eval_batches=2)
-    c.data.max_docs = 100
-    c.parallel.num_devices = 1
-    c.optim.warmup_steps = 10
-    summary = train(c, str(tmp_path), progress=False)
-    assert summary["first_loss"] > 6.0
-    assert summary["last_loss"] < summary["first_loss"] - 2.0, summary
-    assert summary["eval_loss"] < 4.5, summary
-    records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
-    steps = [r["step"] for r in records if "loss" in r]
-    assert steps == [1, 10, 20, 30, 40]
-    assert all(np.isfinite(r["loss"]) and r["tokens_per_s"] > 0 for r in records if "loss" in r)
-    assert [r["step"] for r in records if "eval_loss" in r] == [40]
-    assert json.load(open(tmp_path / "config.json"))["train"]["steps"] == 40

@@ -35,5 +35,9 @@ def test_sharded_training_matches_one_device(tmp_path):
     mesh = run(config(data=2, fsdp=2, tensor=2), str(tmp_path / "mesh"), progress=False)
     a, b = losses(tmp_path / "one"), losses(tmp_path / "mesh")
     assert len(a) == len(b) == 4 and a[-1] < a[0]
+    records = [json.loads(line) for line in open(tmp_path / "mesh" / "metrics.jsonl")]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert all(np.isfinite(r["grad_norm"]) and r["tokens_per_s"] > 0 and "lr_adamw" in r for r in records)
+    assert json.load(open(tmp_path / "mesh" / "config.json"))["parallel"]["fsdp"] == 2
     np.testing.assert_allclose(b, a, rtol=2e-4)
     assert mesh["skipped_steps"] == one["skipped_steps"] == 0

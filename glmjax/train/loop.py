@@ -68,6 +68,10 @@ def run(config, workdir: str, progress: bool = True) -> dict:
     """One stage (config.stage) or the whole recipe (config.stage == "recipe") -> summary (per stage for a recipe).
     Starts multi-host JAX first when config.parallel / the environment asks for it (glmjax.parallel.mesh)."""
     initialize_distributed(config.parallel if "parallel" in config else None)
+    if config.stage == "ppo":  # post-training: glmjax/rl (its own loop: rollouts, critic, GAE)
+        from glmjax.rl.ppo import train_ppo
+
+        return train_ppo(config, workdir, progress, load_params=checkpoint_loader(ModelConfig.from_dict(config.model)))
     if config.stage != "recipe":
         return train(stage_config(config, config.stage), workdir, progress)
     validate_recipe(config)
@@ -172,7 +176,7 @@ def train(config, workdir: str, progress: bool = True) -> dict:
     flops_mode = "dense" if mode == "dense" else "dsa_indexshare"
     train_flops = flops_per_token(cfg, t.seq_len, "training", flops_mode)["total"]
     peak = peak_flops(jax.devices()[0])
-    peak = peak * jax.device_count() if peak else None
+    peak = peak * mesh.size if peak else None
 
     def save(step):
         meta = {"step": step, "stage": config.stage, "model": model_config_json(cfg)}
@@ -191,7 +195,7 @@ def train(config, workdir: str, progress: bool = True) -> dict:
     window_t, window_tokens, timed_tokens, timed_s = time.perf_counter(), 0, 0, 0.0
     step = start_step
     try:
-        with open(os.path.join(workdir, "metrics.jsonl"), "a") as out, \
+        with open(os.path.join(workdir, "metrics.jsonl") if pid == 0 else os.devnull, "a") as out, \
                 tqdm(total=t.steps, initial=start_step, disable=not progress or pid != 0, dynamic_ncols=True,
                      desc=config.stage) as bar:
             def write(record):
@@ -299,6 +303,19 @@ def init_model(model: GLM, path: str) -> list[str]:
         raise FileNotFoundError(f"init_from={path!r}: neither a stage workdir (checkpoints/), an imported "
                                 "checkpoint (model_config.json) nor a Hugging Face checkpoint (config.json)")
     return [where] + surgery(model, state, src_cfg)
+
+
+def checkpoint_loader(cfg: ModelConfig):
+    """-> load(path, target_state) -> state: `target_state` (a GLM of `cfg`) overwritten from `path` (see
+    `init_model`: a stage workdir, an imported or a Hugging Face checkpoint), for the PPO stage's init_checkpoint."""
+    def load(path: str, target_state):
+        model = GLM(cfg, nnx.Rngs(0))
+        nnx.update(model, target_state)
+        for line in init_model(model, path):
+            print(f"init_checkpoint {path}: {line}")
+        return nnx.state(model)
+
+    return load
 
 
 def tensorboard_writer(workdir: str):
