@@ -144,11 +144,12 @@ def train(config, workdir: str, progress: bool = True) -> dict:
     graphdef, params, rest = create_sharded(lambda: GLM(cfg, nnx.Rngs(t.seed)), mesh, trainable, ...)
     ckpt = Checkpoints(workdir, t.keep_checkpoints, t.async_checkpoints)
     if config.init_from and not ckpt.steps():
+        shardings = (shardings_of(params), shardings_of(rest))  # before surgery writes host arrays into them
         model = nnx.merge(graphdef, params, rest)
         for line in init_model(model, config.init_from):
             print(f"init_from {config.init_from}: {line}")
         _, new_params, new_rest = nnx.split(model, trainable, ...)
-        params, rest = jax.device_put((new_params, new_rest), (shardings_of(params), shardings_of(rest)))
+        params, rest = jax.device_put((new_params, new_rest), shardings)
         del model
     n_train, n_all = count_params(params), count_params(nnx.merge_state(params, rest).filter(nnx.Param))
     print(f"stage {config.stage}: attention {mode}, trains {stage.trainable} ({n_train:,} of {n_all:,} params); "
