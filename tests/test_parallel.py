@@ -91,22 +91,22 @@ def test_logical_spec_resolution():
 
 def planned_divisor(path: tuple, s: dict) -> int:
     """How many ways the plan splits each parameter, written down from the layout (not from the rules code):
-    FSDP (fsdp x expert) splits every weight's model width D, tensor splits heads / MLP hidden / vocabulary,
-    expert splits the routed experts; norms, router biases, latent ranks and the indexer heads stay whole."""
+    FSDP (fsdp x expert) splits every weight's model width D (or, lacking one, its latent rank), tensor splits
+    heads / MLP hidden / vocabulary, expert splits the routed experts; norms and router biases stay whole."""
     f, e, t = s["fsdp"], s["expert"], s["tensor"]
     name = path[-1] if path[-1] != "weight" and path[-1] != "bias" else "norm"
     return {"experts_gate": e * f * t, "experts_up": e * f * t, "experts_down": e * f * t,
             "embed_tokens": t * f * e, "lm_head": t * f * e, "gate_proj": f * e * t, "up_proj": f * e * t,
-            "down_proj": f * e * t, "q_a_proj": f * e, "kv_a_proj_with_mqa": f * e, "q_b_proj": t, "kv_b_proj": t,
-            "o_proj": t * f * e, "gate": f * e, "wk": f * e, "weights_proj": f * e, "wq_b": 1,
-            "e_score_correction_bias": 1, "norm": 1}[name]
+            "down_proj": f * e * t, "q_a_proj": f * e, "kv_a_proj_with_mqa": f * e, "q_b_proj": f * e * t,
+            "kv_b_proj": f * e * t, "o_proj": t * f * e, "gate": f * e, "wk": f * e, "weights_proj": f * e * t,
+            "wq_b": f * e * t, "e_score_correction_bias": 1, "norm": 1}[name]
 
 
 EXPECTED_SPECS = {  # (experts_gate [L,E,D,I], q_b_proj [L,r_q,H,d], embed_tokens [V,D]) per mesh
     "data8": (P(None, None, None, None), P(None, None, None, None), P(None, None)),
-    "fsdp4_tensor2": (P(None, None, "fsdp", "tensor"), P(None, None, "tensor", None), P("tensor", "fsdp")),
-    "expert4_data2": (P(None, "expert", None, None), P(None, None, None, None), P(None, "expert")),
-    "fsdp2_expert2_tensor2": (P(None, "expert", "fsdp", "tensor"), P(None, None, "tensor", None),
+    "fsdp4_tensor2": (P(None, None, "fsdp", "tensor"), P(None, "fsdp", "tensor", None), P("tensor", "fsdp")),
+    "expert4_data2": (P(None, "expert", None, None), P(None, "expert", None, None), P(None, "expert")),
+    "fsdp2_expert2_tensor2": (P(None, "expert", "fsdp", "tensor"), P(None, ("fsdp", "expert"), "tensor", None),
                               P("tensor", ("fsdp", "expert"))),
 }
 
@@ -358,3 +358,25 @@ def test_blocked_grouped_matmul_gives_zero_rows_past_the_group_total():
     out = grouped_matmul_blocked(xs, w, sizes)
     np.testing.assert_array_equal(out[5:], 0)
     np.testing.assert_allclose(out, jax.lax.ragged_dot(xs, w, sizes), atol=1e-5)
+
+
+def test_shard_train_step_takes_any_pure_step_with_extra_arguments():
+    mesh = par.make_mesh(MESHES["fsdp4_tensor2"])
+    sh = jax.sharding.NamedSharding(mesh, P("fsdp", "tensor"))
+    params = {"w": jax.device_put(jnp.ones((8, 4)), sh)}
+    rest = {"n": jax.device_put(jnp.zeros((), jnp.int32), jax.sharding.NamedSharding(mesh, P()))}
+    opt = {"m": jax.device_put(jnp.zeros((8, 4)), sh)}
+
+    def step_fn(p, r, o, batch, lr):
+        g = jnp.mean(batch, axis=0)[None, :] * jnp.ones_like(p["w"])
+        m = 0.5 * o["m"] + g
+        return {"w": p["w"] - lr * m}, {"n": r["n"] + 1}, {"m": m}, {"gsum": jnp.sum(g)}
+
+    step = par.shard_train_step(step_fn, mesh, params, rest, opt, extra_args=1)
+    batch = par.global_batch(np.arange(16, dtype=np.float32).reshape(4, 4), mesh, 4)
+    w0 = params["w"]
+    p, r, o, m = step(params, rest, opt, batch, 0.1)
+    np.testing.assert_allclose(p["w"], 1 - 0.1 * np.arange(6, 10, dtype=np.float32)[None].repeat(8, 0), rtol=1e-6)
+    assert int(r["n"]) == 1 and float(m["gsum"]) == 8 * (6 + 7 + 8 + 9)
+    assert p["w"].sharding == sh and o["m"].sharding == sh and m["gsum"].sharding.is_fully_replicated
+    assert w0.is_deleted()  # donated: the update reused its buffer

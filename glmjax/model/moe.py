@@ -3,21 +3,25 @@ group-limited top-k, normalisation, routed scaling and a shared expert.
 
 Experts run with a sort-based dispatch: (token, slot) pairs are sorted by expert and multiplied group by group --
 `jax.lax.ragged_dot` on TPU, a block-padded grouped matmul elsewhere (no one-hot [tokens, experts] einsum anywhere).
+Group sizes and the expert load are counted by binary search in the sorted ids, not by scatter-add.
 
 On a device mesh (the abstract mesh in context, see `glmjax/parallel/sharding.py::with_mesh`) the experts run
-inside `shard_map`: every device routes and sorts its own tokens; expert weights are gathered over the axes that
-split their model width (FSDP) and their hidden width stays split over "tensor" (partial outputs, one psum).
+inside `shard_map`: every device sorts its own tokens' pairs; expert weights are gathered over the axes that split
+their model width (FSDP) and their hidden width stays split over "tensor" (partial outputs, one psum).
 With an `expert` axis > 1 the experts themselves are split (expert parallelism): each device sends its sorted
-rows to the devices owning their experts (all-to-all), those run their local experts and send the results back.
+rows to the devices owning their experts, those run their local experts and send the results back.
 
-  dispatch "all_to_all"        fixed [EP, C] slots per (source, destination) pair, `lax.all_to_all`
-  dispatch "ragged_all_to_all" rows packed per destination, `lax.ragged_all_to_all` (TPU; XLA:CPU lacks it)
-  capacity (moe_capacity_factor = 0: dropless) C = n * min(K_e, E / EP) rows per pair for n local tokens -- the
-           most a shard can receive from one source, since a token's K_e experts are distinct -- so nothing is
-           dropped; factor f > 0: C = ceil(f * n * K_e / EP) and (token, slot) rows past it contribute zero.
+  dispatch "all_to_all"        fixed `cap` slots per (source, destination) pair, `lax.all_to_all`
+  dispatch "ragged_all_to_all" rows packed per destination, `lax.ragged_all_to_all` into EP * cap rows per
+                               destination, sources in order (TPU; XLA:CPU lacks it)
+  capacity  moe_capacity_factor = 0 (dropless): cap = n * min(K_e, E / EP) for n local tokens -- the most one source
+            can send one destination, since a token's K_e experts are distinct -- so nothing is dropped (the
+            buffers are sized for the worst case: EP * cap rows); f > 0: cap = ceil(f * n * K_e / EP) and pairs past
+            it contribute zero (all_to_all: the last pairs of a source for that destination; ragged: the rows of
+            the last sources past a destination's EP * cap).
 
-Dropless results equal the single-device MoE up to float summation order (the "tensor" psum); the expert load
-is computed from the global routing outside the shard_map, so it is the global load on any mesh.
+Dropless results equal the single-device MoE up to float summation order (the "tensor" psum). The expert load is
+the global one on any mesh: per-shard counts summed over the batch axes (padding rows removed).
 """
 from __future__ import annotations
 
@@ -70,7 +74,7 @@ def route(cfg: ModelConfig, logits: jax.Array, bias: jax.Array):
         grouped = sel.reshape(N, cfg.n_group, E // cfg.n_group)
         group_score = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [N,G]
         _, keep = jax.lax.top_k(group_score, cfg.topk_group)
-        keep_mask = jnp.zeros_like(group_score, dtype=bool).at[jnp.arange(N)[:, None], keep].set(True)
+        keep_mask = jnp.any(keep[:, :, None] == jnp.arange(cfg.n_group), axis=1)  # [N,G]
         sel = jnp.where(keep_mask[:, :, None], grouped, -jnp.inf).reshape(N, E)
     _, ids = jax.lax.top_k(sel, cfg.num_experts_per_tok)
     w = jnp.take_along_axis(s, ids, axis=-1)
@@ -100,27 +104,30 @@ class MoE(nnx.Module):
         weights, ids = route(cfg, logits, self.e_score_correction_bias[...])
         mesh = jax.sharding.get_abstract_mesh()
         if mesh.empty or mesh.size == 1:
-            out = self.experts(x, ids, weights)
+            out, load = self.experts(x, ids, weights)
         else:
-            out = self.sharded_experts(x, ids, weights, mesh)
+            out, load = self.sharded_experts(x, ids, weights, mesh)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x).astype(f32)
-        load = jnp.zeros((cfg.n_routed_experts,), jnp.int32).at[ids.reshape(-1)].add(1)
         return out.astype(y.dtype).reshape(B, S, D), load
 
-    def weights(self):
+    def expert_weights(self):
         dt = dtype_of(self.cfg.dtype)
         return tuple(a[...].astype(dt) for a in (self.experts_gate, self.experts_up, self.experts_down))
 
     def experts(self, x, ids, weights):
-        """Dropless sort-based dispatch: x [N,D], ids/weights [N,K_e] -> sum_k w_k * Expert_{id_k}(x) [N,D] f32."""
-        return local_experts(self.cfg, x, ids, weights, *self.weights())
+        """Dropless sort-based dispatch: x [N,D], ids/weights [N,K_e] -> (sum_k w_k * Expert_{id_k}(x) [N,D] f32,
+        load [E])."""
+        order, sorted_ids = sort_pairs(ids)
+        ys = local_experts(self.cfg, x, order, sorted_ids, self.expert_weights())
+        return combine(ys, weights), sorted_counts(sorted_ids, self.cfg.n_routed_experts)
 
     def sharded_experts(self, x, ids, weights, mesh):
         """`experts` on a mesh: tokens split over the batch axes, experts over `expert` (see the module doc)."""
         cfg = self.cfg
         N, K = ids.shape
-        wg, wu, wd = self.weights()
+        E = cfg.n_routed_experts
+        wg, wu, wd = self.expert_weights()
         in_spec = logical_spec(EXPERT_IN_AXES, wg.shape, mesh)
         out_spec = logical_spec(EXPERT_OUT_AXES, wd.shape, mesh)
         e_axes, d_axes, i_axes = (_axes(in_spec, i) for i in range(3))
@@ -147,21 +154,25 @@ class MoE(nnx.Module):
             if d_axes:  # FSDP: gather the model width of this shard's experts (the backward reduce-scatters)
                 wg, wu = (jax.lax.all_gather(a, d_axes, axis=1, tiled=True) for a in (wg, wu))
                 wd = jax.lax.all_gather(wd, d_axes, axis=2, tiled=True)
+            order, sorted_ids = sort_pairs(ids)
+            load = jax.lax.psum(sorted_counts(sorted_ids, E), tok_axes)  # the global load
             if EP == 1:
-                out = local_experts(cfg, x, ids, w, wg, wu, wd)
+                ys = local_experts(cfg, x, order, sorted_ids, (wg, wu, wd))
             else:
                 n = x.shape[0]
                 cap = n * min(K, wg.shape[0]) if not cfg.moe_capacity_factor else \
                     max(1, math.ceil(cfg.moe_capacity_factor * n * K / EP))
                 route_fn = ragged_all_to_all_experts if dispatch == "ragged_all_to_all" else all_to_all_experts
-                ys = route_fn(cfg, x, ids, (wg, wu, wd), ep, EP, cap)
-                out = jnp.einsum("nkd,nk->nd", ys.reshape(n, K, -1).astype(f32), w)
-            return jax.lax.psum(out, i_axes) if i_axes else out  # expert hidden split: partial sums
+                ys = route_fn(cfg, x, order, sorted_ids, (wg, wu, wd), ep, EP, cap)
+            out = combine(ys, w)
+            return (jax.lax.psum(out, i_axes) if i_axes else out), load  # expert hidden split: partial sums
 
         tok = jax.sharding.PartitionSpec(tok_axes)
-        out = jax.shard_map(body, in_specs=(tok, tok, tok, in_spec, in_spec, out_spec), out_specs=tok)(
-            x, ids, weights, wg, wu, wd)
-        return out[:N]
+        out, load = jax.shard_map(body, in_specs=(tok, tok, tok, in_spec, in_spec, out_spec),
+                                  out_specs=(tok, jax.sharding.PartitionSpec()))(x, ids, weights, wg, wu, wd)
+        if pad:
+            load = load - pad * (jnp.arange(E) < K).astype(load.dtype)
+        return out[:N], load
 
 
 def _axes(spec, i) -> tuple[str, ...]:
@@ -184,51 +195,61 @@ def grouped_matmul(cfg: ModelConfig):
     return grouped_matmul_ragged if impl == "ragged_dot" else grouped_matmul_blocked
 
 
-def expert_ffn(cfg: ModelConfig, xs, group_sizes, wg, wu, wd):
-    """SwiGLU of rows sorted by expert: xs [M,D], group_sizes [E] (rows past their sum give 0) -> [M,D]."""
-    mm = grouped_matmul(cfg)
-    return mm(jax.nn.silu(mm(xs, wg, group_sizes)) * mm(xs, wu, group_sizes), wd, group_sizes)
-
-
-def local_experts(cfg: ModelConfig, x, ids, weights, wg, wu, wd):
-    """x [N,D], ids/weights [N,K_e], weights of all E experts -> sum_k w_k * Expert_{id_k}(x) [N,D] f32."""
-    N, K = ids.shape
+def sort_pairs(ids):
+    """(token, slot) pairs [N,K] -> (order: pair indices grouped by expert (stable), their expert ids ascending)."""
     flat = ids.reshape(-1)
-    order = jnp.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
-    group_sizes = jnp.bincount(flat, length=wg.shape[0]).astype(jnp.int32)
-    h = expert_ffn(cfg, x[order // K].astype(wg.dtype), group_sizes, wg, wu, wd)
-    ys = jnp.zeros((N * K, x.shape[-1]), h.dtype).at[order].set(h)  # back to (token, slot) order
+    order = jnp.argsort(flat, stable=True)
+    return order, flat[order]
+
+
+def sorted_counts(sorted_ids, n: int):
+    """How often each of 0..n-1 occurs in an ascending int array (larger values ignored), by binary search: no
+    scatter-add (slow on TPU, and of unknown cost to its cost model)."""
+    edges = jnp.searchsorted(sorted_ids, jnp.arange(n + 1, dtype=sorted_ids.dtype), side="left",
+                             method="scan_unrolled")
+    return jnp.diff(edges).astype(jnp.int32)
+
+
+def combine(ys, weights):
+    """Expert outputs per (token, slot) [N*K, D] and routing weights [N,K] -> sum over slots [N,D] f32."""
+    N, K = weights.shape
     return jnp.einsum("nkd,nk->nd", ys.reshape(N, K, -1).astype(f32), weights)
 
 
-def _sort_by_expert(ids, E_local):
-    """Local (token, slot) pairs sorted by expert -> (order, sorted expert ids, destination shard of each)."""
-    flat = ids.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    sorted_ids = flat[order]
-    return order, sorted_ids, sorted_ids // E_local
+def expert_ffn(cfg: ModelConfig, xs, group_sizes, w):
+    """SwiGLU of rows sorted by expert: xs [M,D], group_sizes [E] (rows past their sum give 0), w = (gate, up,
+    down) [E, ...] -> [M,D]."""
+    mm = grouped_matmul(cfg)
+    wg, wu, wd = w
+    return mm(jax.nn.silu(mm(xs, wg, group_sizes)) * mm(xs, wu, group_sizes), wd, group_sizes)
+
+
+def local_experts(cfg: ModelConfig, x, order, sorted_ids, w):
+    """All experts here: x [N,D], pairs sorted by expert -> expert outputs [N*K, D] in (token, slot) order."""
+    K = order.shape[0] // x.shape[0]
+    h = expert_ffn(cfg, x[order // K].astype(w[0].dtype), sorted_counts(sorted_ids, w[0].shape[0]), w)
+    return jnp.zeros_like(h).at[order].set(h)
 
 
 def _run_received(cfg, rows, local_ids, w):
     """Rows received by this shard with their local expert ids (E_local = padding) -> results, same layout."""
-    wg = w[0]
-    order = jnp.argsort(local_ids, stable=True)
-    group_sizes = jnp.bincount(local_ids, length=wg.shape[0]).astype(jnp.int32)
-    h = expert_ffn(cfg, rows[order], group_sizes, *w)
+    order, sorted_ids = sort_pairs(local_ids)
+    h = expert_ffn(cfg, rows[order], sorted_counts(sorted_ids, w[0].shape[0]), w)
     return jnp.zeros_like(h).at[order].set(h)
 
 
-def all_to_all_experts(cfg, x, ids, w, axis, EP, cap):
-    """Expert parallelism with fixed slots: x [n,D], ids [n,K] (global expert ids), w = this shard's experts
-    (wg, wu, wd) [E/EP, ...] -> rows [n*K, D] in (token, slot) order (zeros for rows past the capacity)."""
-    n, K = ids.shape
-    E_local = w[0].shape[0]
-    order, sorted_ids, dest = _sort_by_expert(ids, E_local)
-    counts = jnp.bincount(dest, length=EP)
-    rank = jnp.arange(n * K) - (jnp.cumsum(counts) - counts)[dest]  # position among the rows for `dest`
+def all_to_all_experts(cfg, x, order, sorted_ids, w, axis, EP, cap):
+    """Expert parallelism with fixed slots: x [n,D], the n*K (token, slot) pairs sorted by (global) expert,
+    w = this shard's experts (gate, up, down) [E/EP, ...] -> outputs [n*K, D] in (token, slot) order (zeros for
+    pairs past the capacity)."""
+    M, D = order.shape[0], x.shape[-1]
+    K, E_local = M // x.shape[0], w[0].shape[0]
+    dest = sorted_ids // E_local  # ascending
+    counts = sorted_counts(dest, EP)
+    rank = jnp.arange(M) - (jnp.cumsum(counts) - counts)[dest]  # position among the pairs for `dest`
     slot = jnp.where(rank < cap, dest * cap + rank, EP * cap)  # EP * cap = dropped
     xs = x[order // K].astype(w[0].dtype)
-    send = jnp.zeros((EP * cap, x.shape[-1]), xs.dtype).at[slot].set(xs, mode="drop")
+    send = jnp.zeros((EP * cap, D), xs.dtype).at[slot].set(xs, mode="drop")
     send_ids = jnp.full((EP * cap,), E_local, jnp.int32).at[slot].set(sorted_ids % E_local, mode="drop")
     recv = jax.lax.all_to_all(send, axis, 0, 0, tiled=True)  # [EP * cap, D]: block i came from shard i
     recv_ids = jax.lax.all_to_all(send_ids, axis, 0, 0, tiled=True)
@@ -237,14 +258,13 @@ def all_to_all_experts(cfg, x, ids, w, axis, EP, cap):
     return jnp.zeros_like(ys_sorted).at[order].set(ys_sorted)
 
 
-def ragged_all_to_all_experts(cfg, x, ids, w, axis, EP, cap):
+def ragged_all_to_all_experts(cfg, x, order, sorted_ids, w, axis, EP, cap):
     """`all_to_all_experts` with rows packed per destination (`lax.ragged_all_to_all`): each shard receives into
     EP * cap rows, source after source; rows past that are dropped (none when dropless)."""
-    n, K = ids.shape
-    E_local = w[0].shape[0]
+    M, D = order.shape[0], x.shape[-1]
+    K, E_local = M // x.shape[0], w[0].shape[0]
     R = EP * cap
-    order, sorted_ids, dest = _sort_by_expert(ids, E_local)
-    sizes = jnp.bincount(dest, length=EP).astype(jnp.int32)  # rows for each destination
+    sizes = sorted_counts(sorted_ids // E_local, EP)  # rows for each destination
     in_off = (jnp.cumsum(sizes) - sizes).astype(jnp.int32)
     S = jax.lax.all_gather(sizes, axis)  # [source, destination]
     me = jax.lax.axis_index(axis)
@@ -253,12 +273,11 @@ def ragged_all_to_all_experts(cfg, x, ids, w, axis, EP, cap):
     recv = jnp.clip(R - at[:, me], 0, S[:, me]).astype(jnp.int32)
     out_off, recv_off = at[me].astype(jnp.int32), at[:, me].astype(jnp.int32)
     xs = x[order // K].astype(w[0].dtype)
-    D = x.shape[-1]
     rows = ragged_all_to_all(xs, jnp.zeros((R, D), xs.dtype), in_off, send, out_off, recv, axis_name=axis)
     local_ids = ragged_all_to_all((sorted_ids % E_local).astype(jnp.int32), jnp.full((R,), E_local, jnp.int32),
                                   in_off, send, out_off, recv, axis_name=axis)
     src_off = (jnp.cumsum(S, axis=1) - S)[:, me].astype(jnp.int32)  # where my rows sit in each source's buffer
-    ys_sorted = ragged_all_to_all(_run_received(cfg, rows, local_ids, w), jnp.zeros((n * K, D), xs.dtype),
+    ys_sorted = ragged_all_to_all(_run_received(cfg, rows, local_ids, w), jnp.zeros((M, D), xs.dtype),
                                   recv_off, recv, src_off, send, axis_name=axis)
     return jnp.zeros_like(ys_sorted).at[order].set(ys_sorted)
 
@@ -284,9 +303,10 @@ def grouped_matmul_blocked(xs, w, group_sizes):
     padded = -(-group_sizes // bm) * bm
     ends = jnp.cumsum(padded)
     start, pstart = jnp.cumsum(group_sizes) - group_sizes, ends - padded
-    group = jnp.repeat(jnp.arange(E), group_sizes, total_repeat_length=M)  # group of each sorted row
-    used = jnp.arange(M) < jnp.sum(group_sizes)
-    dest = jnp.where(used, pstart[group] + jnp.arange(M) - start[group], nb * bm)  # row -> padded slot
+    rows = jnp.arange(M)
+    group = jnp.minimum(jnp.searchsorted(jnp.cumsum(group_sizes), rows, side="right", method="scan_unrolled"),
+                        E - 1)  # of each row
+    dest = jnp.where(rows < jnp.sum(group_sizes), pstart[group] + rows - start[group], nb * bm)  # -> padded slot
     xp = jnp.zeros((nb * bm, D), xs.dtype).at[dest].set(xs, mode="drop")
     block_group = jnp.minimum(jnp.searchsorted(ends, jnp.arange(nb) * bm, side="right"), E - 1)
     out = jnp.einsum("jbd,jdf->jbf", xp.reshape(nb, bm, D), w[block_group])

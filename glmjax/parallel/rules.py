@@ -31,9 +31,9 @@ LOGICAL_RULES: dict[str, tuple[str, ...]] = {
     "embed": ("fsdp", "expert"),  # the model width D of every weight: the FSDP dimension
     "heads": ("tensor",),  # MLA q_b_proj, kv_b_proj, o_proj
     "head_dim": (),
-    "q_lora": (),
-    "kv_lora": (),
-    "index_heads": (),  # the indexer is small and frozen outside its KL stages: FSDP over "embed" only
+    "q_lora": ("fsdp", "expert"),  # q_b_proj / indexer wq_b have no model-width dimension: FSDP over the rank
+    "kv_lora": ("fsdp", "expert"),  # kv_b_proj likewise (kv_a_proj's rank dim stays whole: "embed" took the axes)
+    "index_heads": ("tensor",),
     "index_head_dim": (),
     "mlp": ("tensor",),  # dense MLP and shared-expert hidden
     "experts": ("expert",),  # routed experts [E, ...]

@@ -135,18 +135,19 @@ def with_mesh(fn: Callable, mesh) -> Callable:
     return wrapped
 
 
-def shard_train_step(step_fn: Callable, mesh, params, rest, opt_state, *, batch=None, donate: bool = True,
-                     rules: Mapping[str, Any] | None = None):
-    """jax.jit of a pure step `(params, rest, opt_state, batch) -> (params, rest, opt_state, metrics)` with explicit
-    shardings: the state keeps the shardings of `params` / `rest` / `opt_state` (arrays, `abstract` leaves, or
-    trees of shardings), the batch is split over the batch axes (or `batch`: its sharding tree), metrics come back
-    replicated. The three state arguments are donated (their buffers are reused for the new state).
-    The result also has `.lower(...)` for AOT compilation."""
+def shard_train_step(step_fn: Callable, mesh, params, rest, opt_state, *, batch=None, extra_args: int = 0,
+                     donate: bool = True, rules: Mapping[str, Any] | None = None):
+    """jax.jit of a pure step `(params, rest, opt_state, batch, *extra) -> (params, rest, opt_state, metrics)` with
+    explicit shardings: the state keeps the shardings of `params` / `rest` / `opt_state` (arrays, `abstract`
+    leaves, or trees of shardings), the batch is split over the batch axes (or `batch`: its sharding tree), the
+    `extra_args` trailing arguments (e.g. a step counter) and the metrics are replicated. The three state
+    arguments are donated (their buffers are reused for the new state). The result also has `.lower(...)` for AOT
+    compilation. A step_fn that is itself jitted works too (its own donation is then moot)."""
     state = tuple(_shardings(t) for t in (params, rest, opt_state))
     batch_sh = batch_sharding(mesh, rules) if batch is None else _shardings(batch)
     replicated = NamedSharding(mesh, P())
-    return jax.jit(with_mesh(step_fn, mesh), in_shardings=(*state, batch_sh), out_shardings=(*state, replicated),
-                   donate_argnums=(0, 1, 2) if donate else ())
+    return jax.jit(with_mesh(step_fn, mesh), in_shardings=(*state, batch_sh) + (replicated,) * extra_args,
+                   out_shardings=(*state, replicated), donate_argnums=(0, 1, 2) if donate else ())
 
 
 def shard_eval_step(eval_fn: Callable, mesh, params, rest, *, batch=None, rules: Mapping[str, Any] | None = None):

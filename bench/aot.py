@@ -1,0 +1,174 @@
+"""AOT-compile the full training step (forward, backward, optimizer, router-bias update) for a TPU topology on a
+CPU host and print the compiler's estimates: memory per chip, FLOPs, step time, implied MFU. Estimates, not
+measurements: nothing runs, no TPU is needed.
+
+    python bench/aot.py --config configs/glm5.py --topology v5p:8x8x16 --seq 4096 --batch 256 \
+        --mesh fsdp=4,expert=64,tensor=4 --set remat=full --set moe_capacity_factor=2
+    python bench/aot.py --config configs/small.py --topology v5e:2x4 --seq 256 --batch 8 --mesh data=8
+
+Memory comes from compiling the real step (scanned layers, the config's loops). Time and FLOPs cannot: XLA's
+cost analysis counts a while-loop body once. They come from "estimate builds" whose every loop runs one trip
+(layers unrolled, one loss chunk, one attention query block, MTP for one depth): for <= 8 layers the whole
+model, otherwise the dense layers + 1 MoE layer and + 2 MoE layers, extrapolated linearly to all MoE layers;
+MTP depths are added the same way. Model FLOPs (for MFU) come from `glmjax.flops` (causal=False: what the XLA
+code computes). The every-parameter-trains sparse step is the sparse-adaptation stage (LM + MTP + indexer KL).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+import jax  # noqa: E402
+
+from glmjax import flops  # noqa: E402
+from glmjax import parallel as par  # noqa: E402
+from glmjax.config import ModelConfig  # noqa: E402
+from glmjax.model import sparse_attention  # noqa: E402
+from glmjax.parallel import aot  # noqa: E402
+
+GiB = 2 ** 30
+
+
+def load_config(path: str):
+    spec = importlib.util.spec_from_file_location("_aot_config", os.path.abspath(path))
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, ROOT)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+def parse_value(v: str):
+    for cast in (int, float):
+        try:
+            return cast(v)
+        except ValueError:
+            pass
+    return {"true": True, "false": False, "none": None}.get(v.lower(), v)
+
+
+@contextlib.contextmanager
+def one_query_block():
+    """Estimate builds: let the sparse attention take all queries in one block (its gathered-bytes budget would
+    otherwise split them into loop trips, which cost analysis counts once)."""
+    saved = sparse_attention.gather_block_bytes
+    sparse_attention.gather_block_bytes = lambda: 1 << 62
+    try:
+        yield
+    finally:
+        sparse_attention.gather_block_bytes = saved
+
+
+def compile_step(cfg: ModelConfig, optim, mesh, args):
+    t = time.perf_counter()
+    lowered = aot.lower_train_step(cfg, optim, mesh, args.batch, args.seq, mode=args.mode,
+                                   index_loss_weight=args.index_loss_weight)
+    compiled = lowered.compile()
+    return compiled, time.perf_counter() - t
+
+
+def estimate(cfg: ModelConfig, optim, mesh, args, log) -> dict:
+    """Whole-step FLOPs / seconds per chip from unrolled one-trip builds (see the module doc)."""
+    L, L_dense = cfg.num_hidden_layers, cfg.first_k_dense_replace
+    depth = cfg.mtp_depth if cfg.has_mtp else 0
+    plan = {"a": (L if L <= 8 else min(L, L_dense + 1), False)}
+    if L > 8:
+        plan["b"] = (plan["a"][0] + 1, False)
+    if depth:
+        plan["m"] = (plan["a"][0], True)
+    got = {}
+    with one_query_block():
+        for key, (layers, mtp) in plan.items():
+            compiled, secs = compile_step(aot.estimate_build(cfg, args.seq, layers, mtp), optim, mesh, args)
+            got[key] = aot.cost(compiled)
+            log(f"  estimate build {key}: {layers} layers{' + MTP' if mtp else ''}: compiled in {secs:.0f} s, "
+                f"{got[key]['flops'] / 1e12:.3f} TFLOP, {got[key]['seconds']:.4f} s, loops left "
+                f"{got[key]['loops']}, scalar scatters {got[key]['unknown_ops']}")
+    out = {}
+    for k in ("flops", "seconds", "bytes"):
+        v = got["a"][k]
+        if "b" in got:
+            v += (L - plan["a"][0]) * (got["b"][k] - got["a"][k])
+        if "m" in got:
+            v += depth * (got["m"][k] - got["a"][k])
+        out[k] = v
+    out["loops_left"] = max(g["loops"] for g in got.values())
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True)
+    p.add_argument("--topology", required=True, help='e.g. "v5p:8x8x16" (v5p-2048), "v5e:2x4" (v5e-8)')
+    p.add_argument("--num-slices", type=int, default=1)
+    p.add_argument("--seq", type=int, default=None, help="default: the config's train.seq_len")
+    p.add_argument("--batch", type=int, default=None, help="global sequences per step; default train.batch_size")
+    p.add_argument("--mesh", default="data=-1", help="axis sizes, e.g. fsdp=4,expert=64,tensor=4 (rest: data)")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="ModelConfig override")
+    p.add_argument("--optim", default=None, help="optimizer name override (adamw | muon | muon_split)")
+    p.add_argument("--mode", default="sparse", choices=("dense", "sparse"))
+    p.add_argument("--index-loss-weight", type=float, default=1.0)
+    p.add_argument("--no-estimate", action="store_true", help="memory only (skip the estimate builds)")
+    p.add_argument("--json", default=None, help="append the result as one JSON line to this file")
+    args = p.parse_args(argv)
+
+    c = load_config(args.config)
+    overrides = dict(kv.split("=", 1) for kv in args.set)
+    cfg = ModelConfig.from_dict({**c.model.to_dict(), **{k: parse_value(v) for k, v in overrides.items()}})
+    optim = c.optim.to_dict()
+    if args.optim:
+        optim["name"] = args.optim
+    args.seq = args.seq or c.train.seq_len
+    args.batch = args.batch or c.train.batch_size
+    mesh_cfg = {"data": -1, **{k: int(v) for k, v in (kv.split("=") for kv in args.mesh.split(",") if kv)}}
+    gen = aot.chip(args.topology)
+    devices = aot.topology_devices(args.topology, args.num_slices)
+    mesh = par.make_mesh(mesh_cfg, devices)
+    chips = len(devices)
+    log = lambda s: print(s, flush=True)  # noqa: E731
+    log(f"{args.config} on {args.topology} x{args.num_slices} ({chips} chips), mesh {dict(mesh.shape)}, "
+        f"batch {args.batch} x seq {args.seq}, {args.mode}, optimizer {optim['name']}, "
+        f"overrides {overrides or '-'}")
+
+    compiled, compile_s = compile_step(cfg, optim, mesh, args)
+    mem = aot.memory_per_chip(compiled)
+    hbm = aot.HBM_BYTES[gen]
+    log(f"  full step compiled in {compile_s:.0f} s: per chip arguments {mem['argument'] / GiB:.2f} GiB, temporaries "
+        f"{mem['temp'] / GiB:.2f} GiB, outputs {mem['output'] / GiB:.2f} GiB (aliased {mem['alias'] / GiB:.2f}), "
+        f"code {mem['code'] / GiB:.2f} GiB -> total {mem['total'] / GiB:.2f} GiB of {hbm / GiB:.0f} GiB "
+        f"({'fits' if mem['total'] <= hbm else 'does NOT fit: over by %.2f GiB' % ((mem['total'] - hbm) / GiB)})")
+    del compiled
+    result = dict(config=args.config, topology=args.topology, num_slices=args.num_slices, chips=chips,
+                  mesh=dict(mesh.shape), batch=args.batch, seq=args.seq, mode=args.mode, optimizer=optim["name"],
+                  overrides=overrides, memory=mem, hbm=hbm, fits=mem["total"] <= hbm, compile_s=compile_s)
+    mode = "dense" if args.mode == "dense" else "dsa_indexshare"
+    model_flops = flops.flops_per_token(cfg, args.seq, "training", mode, causal=False,
+                                        indexer_loss=args.mode == "sparse" and args.index_loss_weight > 0)["total"]
+    model_flops_chip = model_flops * args.batch * args.seq / chips
+    result["model_flops_per_chip"] = model_flops_chip
+    if not args.no_estimate:
+        est = estimate(cfg, optim, mesh, args, log)
+        peak = aot.PEAK_BF16_FLOPS[gen]
+        result.update(estimate=est, peak_flops=peak, mfu=model_flops_chip / (est["seconds"] * peak),
+                      compiler_flops_utilisation=est["flops"] / (est["seconds"] * peak))
+        log(f"  estimated step {est['seconds']:.3f} s; FLOPs per chip: compiler {est['flops'] / 1e12:.1f} T, model "
+            f"{model_flops_chip / 1e12:.1f} T; MFU {100 * result['mfu']:.1f}% of {peak / 1e12:.0f} TFLOP/s "
+            f"(compiler FLOPs {100 * result['compiler_flops_utilisation']:.1f}%); "
+            f"{args.batch * args.seq / est['seconds'] / chips:,.0f} tokens/s/chip")
+    if args.json:
+        with open(args.json, "a") as f:
+            f.write(json.dumps(result) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""Ahead-of-time compilation of the whole training step (forward, backward, optimizer, router-bias update) for a
+TPU topology, from a CPU host: no TPU and no weights needed (abstract inputs only).
+
+    devices = topology_devices("v5p:8x8x16")                       # 1024 v5p chips, described by libtpu
+    mesh = make_mesh(dict(fsdp=4, expert=64, tensor=4), devices)
+    compiled = compile_train_step(model_cfg, optim_cfg, mesh, batch=256, seq=4096)
+    memory_per_chip(compiled), compiled.cost_analysis()
+
+What the compiler reports is an estimate, not a measurement. XLA's cost analysis counts the body of a while loop
+once, not once per trip, so the FLOPs / time of a scanned model are those of one layer; `bench/aot.py` therefore
+estimates time from unrolled builds (see `estimate_build`) and checks that no loop is left.
+"""
+from __future__ import annotations
+
+import os
+import re
+
+import jax
+from flax import nnx
+
+from glmjax.config import ModelConfig
+from glmjax.parallel.sharding import abstract, opt_state_shardings, shard_train_step, state_shardings
+
+GiB = 2 ** 30
+PEAK_BF16_FLOPS = {"v4": 275e12, "v5e": 197e12, "v5p": 459e12, "v6e": 918e12}  # per chip
+HBM_BYTES = {"v4": 32 * GiB, "v5e": 16 * GiB, "v5p": 95 * GiB, "v6e": 32 * GiB}
+
+
+def chip(topology_name: str) -> str:
+    """"v5p:8x8x16" -> "v5p"."""
+    gen = topology_name.split(":")[0].lower()
+    if gen not in PEAK_BF16_FLOPS:
+        raise ValueError(f"topology {topology_name!r}: unknown chip {gen!r} (known: {sorted(PEAK_BF16_FLOPS)})")
+    return gen
+
+
+def topology_devices(topology_name: str, num_slices: int = 1) -> list:
+    """Devices of a TPU topology, e.g. "v5p:2x2x2" (8 chips) or "v5e:2x4" (v5e-8); libtpu only describes them."""
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # several processes may describe topologies at once
+    from jax.experimental import topologies
+    chip(topology_name)
+    return list(topologies.get_topology_desc(platform="tpu", topology_name=topology_name,
+                                             num_slices=num_slices).devices)
+
+
+def make_step(graphdef, tx, mode: str, index_loss_weight: float, bias_rate: float):
+    """The pure step the trainer runs: loss (LM + MTP, and the indexer KL when index_loss_weight > 0), gradients of
+    every trainable parameter, optimizer update, aux-loss-free router-bias update from the global expert load."""
+    import optax
+    from glmjax.train.router_bias import update_router_bias
+
+    def step(params, rest, opt_state, batch):
+        def loss_fn(p):
+            return nnx.merge(graphdef, p, rest).loss(batch, mode, index_loss_weight=index_loss_weight)
+
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        model = nnx.merge(graphdef, params, rest)
+        update_router_bias(model, metrics.get("expert_load"), bias_rate)
+        _, params, rest = nnx.split(model, nnx.Param, ...)
+        return params, rest, opt_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+
+    return step
+
+
+def lower_train_step(cfg: ModelConfig, optim_cfg, mesh, batch: int, seq: int, *, mode: str = "sparse",
+                     index_loss_weight: float = 1.0, bias_rate: float = 1e-3):
+    """-> jax.stages.Lowered of the sharded train step on abstract inputs: every parameter trains (the sparse
+    adaptation stage: the most memory), batch [batch, seq] split over the batch axes."""
+    import jax.numpy as jnp
+    from glmjax.model import GLM, Batch
+    from glmjax.optim import build_optimizer
+    from glmjax.parallel.sharding import batch_sharding
+
+    graphdef, abs_params, abs_rest = nnx.split(nnx.eval_shape(lambda: GLM(cfg, nnx.Rngs(0))), nnx.Param, ...)
+    params = abstract(abs_params, state_shardings(abs_params, mesh))
+    rest = abstract(abs_rest, state_shardings(abs_rest, mesh))
+    opt_cfg = {**(optim_cfg.to_dict() if hasattr(optim_cfg, "to_dict") else dict(optim_cfg))}
+    opt_cfg["total_steps"] = max(opt_cfg.get("total_steps") or 0, opt_cfg.get("warmup_steps", 0) + 1)
+    tx, _ = build_optimizer(abs_params, opt_cfg, cfg)
+    opt_state = abstract(jax.eval_shape(tx.init, params), opt_state_shardings(tx, params, mesh))
+    bs = batch_sharding(mesh)
+    tok = jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=bs)
+    step = shard_train_step(make_step(graphdef, tx, mode, index_loss_weight, bias_rate), mesh, params, rest,
+                            opt_state)
+    return step.lower(params, rest, opt_state, Batch(tok, tok, tok))
+
+
+def memory_per_chip(compiled) -> dict:
+    """Bytes per chip from `memory_analysis`: arguments (the state and the batch), outputs, temporaries, aliased
+    (donated state reused for the outputs), and the peak = arguments + outputs + temporaries - aliased."""
+    m = compiled.memory_analysis()
+    out = dict(argument=m.argument_size_in_bytes, output=m.output_size_in_bytes, temp=m.temp_size_in_bytes,
+               alias=m.alias_size_in_bytes, code=m.generated_code_size_in_bytes)
+    out["total"] = out["argument"] + out["output"] + out["temp"] - out["alias"] + out["code"]
+    return out
+
+
+def cost(compiled) -> dict:
+    """Per chip: FLOPs, bytes accessed and the compiler's estimated seconds (`cost_analysis`), counting the body of
+    each while loop once ("loops": how many are left).
+
+    The TPU cost model has no cost for a scatter with scalar updates (e.g. the gradient of the router's
+    take_along_axis) and adds -2 s for each; "seconds" adds those 2 s back ("unknown_ops": how many; their own
+    small cost is then missing)."""
+    ca = compiled.cost_analysis()
+    ca = ca[0] if isinstance(ca, (list, tuple)) else ca
+    text = compiled.as_text()
+    unknown = len(re.findall(r" scatter\([^\n]*update_window_dims=\{\}", text))
+    seconds = float(ca.get("optimal_seconds", 0.0)) + 2.0 * unknown
+    return {"flops": float(ca.get("flops", 0.0)), "bytes": float(ca.get("bytes accessed", 0.0)),
+            "seconds": seconds, "unknown_ops": unknown, "loops": text.count(" while(")}
+
+
+def estimate_build(cfg: ModelConfig, seq: int, layers: int, mtp: bool) -> ModelConfig:
+    """A build whose every model loop runs one trip, so cost analysis counts all of it: `layers` decoder layers
+    unrolled, one loss chunk, one query block, the MTP layer for one depth (or none)."""
+    types = cfg.layer_indexer_types[:layers]
+    return cfg.replace(num_hidden_layers=layers, indexer_types=types, index_topk_freq=1, index_skip_topk_offset=2,
+                       first_k_dense_replace=min(cfg.first_k_dense_replace, layers), scan_layers=False,
+                       loss_chunk=seq, block_q=seq, num_nextn_predict_layers=1 if mtp else 0,
+                       mtp_depth=1 if mtp else 0)
