@@ -1,9 +1,11 @@
-"""PPO on single-digit addition with the SPEC A.5 tiny model: a brief supervised warm-up on demonstrations, then
-critic PPO (token-level GAE) with asynchronous rollouts. Minutes on a CPU:
+"""PPO on single-digit sums (a + b <= 9, 30% of the problems held out) with the SPEC A.5 tiny model: a brief
+supervised warm-up on demonstrations, then critic PPO (token-level GAE, PPO-clip, 2 epochs x 2 mini-batches per
+rollout batch) with asynchronous rollouts. A few minutes on a CPU:
 
-    python -c "from configs import ppo_tiny; from glmjax.rl import train_ppo; train_ppo(ppo_tiny.get_config(), 'runs/ppo')"
+    python -c "from configs import ppo_tiny; from glmjax.rl import train_ppo
+    train_ppo(ppo_tiny.get_config(), 'runs/ppo')"
 
-(train.py will dispatch `--config.stage=ppo` here.) The MTP layer is off: RL trains no MTP loss.
+(train.py dispatches `--config.stage=ppo` to train_ppo.) The MTP layer is off: RL trains no MTP loss.
 """
 import ml_collections
 
@@ -17,11 +19,12 @@ def get_config():
     c.stage = "ppo"
     c.model = tiny.get_config().model
     c.model.num_nextn_predict_layers = 0
-    c.optim = default_optim_config(name="adamw", lr=3e-4, warmup_steps=5, weight_decay=0.0)  # the actor's
+    c.optim = default_optim_config(name="adamw", lr=3e-4, warmup_steps=10, weight_decay=0.0)  # the actor's
     c.ppo = default_ppo_config(
-        task="arithmetic", task_args=dict(low=0, high=9, ops="+"), reward="exact",
-        steps=100, prompts_per_step=16, group_size=4, max_prompt_len=8, max_response_len=8,
+        task="arithmetic", task_args=dict(low=0, high=9, ops="+", max_result=9), heldout_fraction=0.3,
+        reward="exact", steps=150, prompts_per_step=16, group_size=4, max_prompt_len=6, max_response_len=4,
         sft_steps=60, sft_batch_size=64, sft_lr=3e-3,
-        advantage="gae", policy_loss="ppo_clip", critic_optim=dict(lr=3e-3), critic_warmup_steps=2,
-        async_rollout=True, eval_every=10, eval_problems=64)
+        advantage="gae", policy_loss="ppo_clip", ppo_epochs=2, minibatches=2,
+        critic_optim=dict(lr=3e-4), critic_warmup_steps=10,
+        async_rollout=True, eval_every=25, eval_problems=64, eval_samples=16)
     return c

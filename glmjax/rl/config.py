@@ -1,0 +1,195 @@
+"""The `ppo` section of an RL experiment config: defaults and up-front validation (errors name field, value, rule).
+
+A PPO config has `model` (glmjax.config.ModelConfig fields), `optim` (the actor's optimizer, glmjax.optim; its
+`total_steps` is derived: PPO steps x ppo_epochs x minibatches) and `ppo` (below). The critic uses `optim` with
+`ppo.critic_optim` overriding fields (by default only its learning rate).
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import ml_collections
+
+from glmjax.config import ConfigError, ModelConfig
+from glmjax.rl.env import ENVS
+from glmjax.rl.losses import AGGREGATIONS, POLICY_LOSSES
+from glmjax.rl.tasks import TASKS
+
+ADVANTAGES = ("gae", "grpo")
+MODES = ("dense", "sparse")
+
+
+def default_ppo_config(**overrides) -> ml_collections.ConfigDict:
+    placeholder = ml_collections.config_dict.placeholder
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+    c.steps = 100  # PPO steps: one rollout batch each, then ppo_epochs x minibatches optimizer updates
+    # ----- task and environment
+    c.task = "arithmetic"  # arithmetic | reverse | sort (glmjax/rl/tasks.py)
+    c.task_args = ml_collections.ConfigDict()  # constructor arguments of the task (e.g. low=0, high=9, ops="+")
+    c.env = "single_turn"  # single_turn | tool (multi-turn calculator / file / web tools, tool outputs loss-masked)
+    c.reward = "exact"  # exact | partial | "package.module:function" -- fn(response_text, problem) -> float
+    c.heldout_fraction = 0.2  # share of problems held out (by hash) for evaluation
+    c.max_tool_calls = 3
+    c.env_crash_prob = 0.0  # simulated environment crashes per tool call (exercises the dropping rule)
+    c.interceptor = True  # block tool calls that read protected answers / fetch reference solutions
+    c.judge = placeholder(str)  # optional "package.module:function" judge(call, rule) -> bool confirming a block
+    # ----- rollouts
+    c.prompts_per_step = 16
+    c.group_size = 4  # samples per prompt (a group); B = prompts_per_step * group_size rows per step
+    c.max_prompt_len = 16
+    c.max_response_len = 16
+    c.temperature = 1.0
+    c.top_p = 1.0
+    c.mode = "sparse"  # attention in sampler and trainer alike: "sparse" (DSA, deterministic top-k) | "dense"
+    c.async_rollout = True  # a rollout thread generates the next batch while the trainer trains
+    c.rollout_ahead = 1  # batches the worker may finish ahead of the trainer (1: the trainer at v trains on v-1)
+    c.max_staleness = 2  # drop samples generated more than this many weight versions ago
+    # ----- advantages
+    c.advantage = "gae"  # gae (critic) | grpo (group-relative, no critic)
+    c.gamma = 1.0
+    c.lam_actor = 0.95
+    c.lam_critic = 1.0
+    c.whiten_advantages = True  # global masked whitening (GAE)
+    c.grpo_std = True  # GRPO: divide by the group std (False = Dr.GRPO)
+    # ----- losses
+    c.policy_loss = "ppo_clip"  # ppo_clip | async_two_sided | icepop
+    c.clip_low = 0.2
+    c.clip_high = 0.28
+    c.dual_clip = placeholder(float)  # c > 1, or None
+    c.icepop_low = 0.5
+    c.icepop_high = 2.0
+    c.value_clip = 0.2  # 0 disables value clipping
+    c.entropy_coef = 0.0
+    c.kl_coef = 0.0  # KL(pi || reference policy) in the loss; the reference is the policy PPO starts from
+    c.loss_agg = "token_mean"  # token_mean (global) | seq_mean_token_mean
+    # ----- optimisation
+    c.ppo_epochs = 1
+    c.minibatches = 1  # optimizer updates per epoch
+    c.micro_batches = 1  # gradient accumulation inside one update
+    c.data_parallel = 1  # devices the trainer shards each micro-batch over
+    c.critic_optim = ml_collections.ConfigDict(dict(lr=1e-3))  # overrides of `optim` for the critic
+    c.critic_warmup_steps = 0  # first PPO steps train only the critic
+    c.freeze_indexer = True  # DSA indexer frozen during RL (GLM-5)
+    c.logprob_chunk = 512  # sequence chunk of the log-prob / entropy computation (never [B, S, V] at once)
+    # ----- initialisation, evaluation, logging
+    c.init_checkpoint = placeholder(str)  # loaded by the `load_params` function train_ppo is given
+    c.sft_steps = 0  # supervised warm-up on task demonstrations before PPO (when no checkpoint is given)
+    c.sft_batch_size = 64
+    c.sft_lr = 3e-3
+    c.sft_script = "direct"  # demonstrations: direct (answer at once) | calc (tool env: calculator, then answer)
+    c.eval_every = 10  # held-out greedy accuracy every N steps (and before / after); 0 = only before / after
+    c.eval_problems = 64  # held-out problems (fewer if the held-out split is smaller)
+    c.eval_samples = 4  # sampled episodes per held-out problem (at `temperature`) for eval_sampled_accuracy
+    c.log_every = 1
+    c.update(overrides)
+    return c
+
+
+def validate_ppo_config(config) -> ModelConfig:
+    """Check config.model and config.ppo (and their consistency). Raises ConfigError; -> the ModelConfig."""
+    model_cfg = ModelConfig.from_dict(config.model)
+    p = config.ppo
+    known = set(default_ppo_config().keys())
+    unknown = sorted(set(p.keys()) - known)
+    if unknown:
+        raise ConfigError(f"ppo.{unknown[0]}: unknown field (known fields: {', '.join(sorted(known))})")
+
+    def fail(field, rule):
+        raise ConfigError(f"ppo.{field}={p[field]!r}: {rule}")
+
+    def integer(field, minimum):
+        v = p[field]
+        if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+            fail(field, f"must be an integer >= {minimum}")
+
+    def number(field, low=None, high=None, low_open=False, allow_none=False):
+        v = p[field]
+        if v is None and allow_none:
+            return
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            fail(field, "must be a finite number" + (" or None" if allow_none else ""))
+        if low is not None and (v <= low if low_open else v < low):
+            fail(field, f"must be {'>' if low_open else '>='} {low}")
+        if high is not None and v > high:
+            fail(field, f"must be <= {high}")
+
+    def choice(field, options):
+        if p[field] not in options:
+            fail(field, f"must be one of {list(options)}")
+
+    def boolean(field):
+        if not isinstance(p[field], bool):
+            fail(field, "must be True or False")
+
+    for f in ("steps", "prompts_per_step", "group_size", "max_prompt_len", "max_response_len", "rollout_ahead",
+              "ppo_epochs", "minibatches", "micro_batches", "data_parallel", "eval_problems", "eval_samples",
+              "log_every", "sft_batch_size", "logprob_chunk"):
+        integer(f, 1)
+    for f in ("seed", "max_staleness", "critic_warmup_steps", "sft_steps", "eval_every", "max_tool_calls"):
+        integer(f, 0)
+    choice("task", TASKS)
+    choice("env", ENVS)
+    choice("mode", MODES)
+    choice("advantage", ADVANTAGES)
+    choice("policy_loss", POLICY_LOSSES)
+    choice("loss_agg", AGGREGATIONS)
+    choice("sft_script", ("direct", "calc"))
+    for f in ("async_rollout", "whiten_advantages", "grpo_std", "interceptor", "freeze_indexer"):
+        boolean(f)
+    if not p.freeze_indexer:
+        fail("freeze_indexer", "must be True: PPO's losses never reach the indexer (top-k is not differentiable) "
+             "and no indexer KL loss runs during RL, so an unfrozen indexer would only feel weight decay")
+    if not isinstance(p.reward, str) or not p.reward:
+        fail("reward", "must be a reward name or 'package.module:function'")
+    if p.judge is not None and (not isinstance(p.judge, str) or ":" not in p.judge):
+        fail("judge", "must be None or 'package.module:function'")
+    if p.env_crash_prob and p.env != "tool":
+        fail("env_crash_prob", "simulated crashes happen in tool calls: needs env='tool'")
+    if p.sft_script == "calc" and p.env != "tool":
+        fail("sft_script", "'calc' demonstrations need env='tool'")
+    number("heldout_fraction", 0, 1, low_open=True)
+    if p.heldout_fraction >= 1:
+        fail("heldout_fraction", "must be < 1 (some problems must remain for training)")
+    number("env_crash_prob", 0, 1)
+    number("temperature", 0, low_open=True)
+    number("top_p", 0, 1, low_open=True)
+    number("gamma", 0, 1)
+    number("lam_actor", 0, 1)
+    number("lam_critic", 0, 1)
+    number("clip_low", 0, 1, low_open=True)
+    number("clip_high", 0, low_open=True)
+    number("dual_clip", allow_none=True)
+    if p.dual_clip is not None and not p.dual_clip > 1:
+        fail("dual_clip", "must be > 1 (or None)")
+    number("icepop_low", 0, low_open=True)
+    number("icepop_high")
+    if not p.icepop_high > p.icepop_low:
+        fail("icepop_high", f"must be > icepop_low={p.icepop_low}")
+    number("value_clip", 0)
+    number("entropy_coef", 0)
+    number("kl_coef", 0)
+    number("sft_lr", 0, low_open=True)
+    B = p.prompts_per_step * p.group_size
+    if B % (p.minibatches * p.micro_batches * p.data_parallel):
+        fail("prompts_per_step", f"x group_size = {B} rows per step must be divisible by minibatches x micro_batches "
+             f"x data_parallel = {p.minibatches * p.micro_batches * p.data_parallel}")
+    if p.advantage == "grpo" and p.group_size < 2:
+        fail("group_size", "GRPO needs groups of >= 2 samples")
+    if p.advantage == "grpo" and p.critic_warmup_steps:
+        fail("critic_warmup_steps", "GRPO trains no critic")
+    if p.critic_warmup_steps >= p.steps:
+        fail("critic_warmup_steps", f"must be < steps={p.steps} (the actor must train at some point)")
+    if p.sft_steps and p.init_checkpoint is not None:
+        fail("sft_steps", "a supervised warm-up and init_checkpoint exclude each other")
+    if not hasattr(p.critic_optim, "keys"):
+        fail("critic_optim", "must be a dict of optim overrides, e.g. {'lr': 1e-3}")
+    max_pos = model_cfg.max_position_embeddings
+    if p.max_prompt_len + p.max_response_len > max_pos:
+        fail("max_response_len", f"max_prompt_len + max_response_len = {p.max_prompt_len + p.max_response_len} "
+             f"must be <= model.max_position_embeddings={max_pos}")
+    if p.data_parallel > 1:
+        if jax.device_count() < p.data_parallel:
+            fail("data_parallel", f"needs that many devices, {jax.device_count()} available")
+    return model_cfg

@@ -1,0 +1,360 @@
+"""`train_ppo`: the PPO post-training stage (critic PPO with token-level GAE, or GRPO), asynchronous rollouts.
+
+    summary = train_ppo(config, workdir)               # config: model, optim (actor), ppo (glmjax/rl/config.py)
+
+One PPO step:
+  rollout batch  (from the rollout thread, generated with weights of version v' <= v; or generated here when
+                  ppo.async_rollout is False) -> filter_groups: env crashes and samples staler than max_staleness
+                  dropped, groups padded or dropped
+  forward        trainer log-probs pi_old (also the rollout-vs-trainer mismatch), critic values, reference log-probs
+  advantages     GAE (actor lambda) + returns (critic lambda, before whitening), global whitening; or GRPO
+  updates        ppo_epochs x minibatches optimizer updates of actor and critic; each gradient is the exact global
+                 token mean (or sequence mean) accumulated over micro_batches x data_parallel devices
+  weight sync    version v+1 handed to the rollout worker
+Metrics go to workdir/metrics.jsonl (one line per step, plus eval lines), interceptions to
+workdir/interceptions.jsonl, and a tqdm bar shows reward / eval accuracy / wait share.
+
+`load_params(path, target_state) -> state` plugs in checkpoint loading for ppo.init_checkpoint: it receives the
+model's complete nnx.State (as a shape/structure target) and returns one of the same structure.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Callable
+
+import jax
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+from glmjax.config import ConfigError
+from glmjax.data.tokenizer import ByteTokenizer
+from glmjax.infer import Decoder
+from glmjax.model import GLM
+from glmjax.optim import build_optimizer, validate_optim_config
+from glmjax.rl.advantages import explained_variance, gae, grpo, masked_whiten
+from glmjax.rl.config import validate_ppo_config
+from glmjax.rl.env import ENVS, SCRIPTS, run_script
+from glmjax.rl.interceptor import Interceptor
+from glmjax.rl.losses import PolicyLossConfig, loss_weights
+from glmjax.rl.rollout import RolloutBatch, RolloutWorker, Sampler, filter_groups
+from glmjax.rl.tasks import REWARDS, TASKS, resolve_callable
+from glmjax.rl.trainer import (ACTOR_TRAINABLE, CRITIC_TRAINABLE, Placement, PPOFunctions, accumulate,
+                               critic_optimizer, forward, full_state, init_value_head, make_apply)
+from glmjax.rl.warmup import supervised_warmup
+
+TOK = ByteTokenizer()
+LoadParams = Callable[[str, nnx.State], nnx.State]
+
+
+def build_task(p):
+    try:
+        return TASKS[p.task](**p.task_args.to_dict(), heldout_fraction=p.heldout_fraction)
+    except TypeError as e:
+        raise ConfigError(f"ppo.task_args={p.task_args.to_dict()!r}: {e}") from e
+
+
+def env_factory(p, task_reward, interceptor):
+    """-> make_env(problem, rng) for the configured environment."""
+    if p.env == "tool":
+        return lambda problem, rng: ENVS["tool"](problem, task_reward, interceptor, p.max_tool_calls,
+                                                 p.env_crash_prob, rng)
+    return lambda problem, rng: ENVS["single_turn"](problem, task_reward)
+
+
+def pack_samples(samples, rows: int, seq_len: int) -> dict:
+    """Samples -> numpy arrays [rows, seq_len] indexed by token position (rows beyond len(samples) are padding):
+    tokens, segment_ids, positions, mask (policy tokens), rollout_logp, rewards (the sample's reward on its last
+    policy token), plus per-row version / group / score."""
+    out = {k: np.zeros((rows, seq_len), np.float32) for k in ("mask", "rollout_logp", "rewards")}
+    out["tokens"] = np.full((rows, seq_len), TOK.PAD, np.int32)
+    out["segment_ids"] = np.zeros((rows, seq_len), np.int32)
+    out["positions"] = np.ascontiguousarray(np.broadcast_to(np.arange(seq_len, dtype=np.int32), (rows, seq_len)))
+    version = np.full(rows, -1, np.int64)
+    group = -1 - np.arange(rows)  # padding rows: groups of their own
+    score = np.zeros(rows, np.float32)
+    for b, s in enumerate(samples):
+        p, n = len(s.prompt), len(s.prompt) + len(s.response)
+        out["tokens"][b, :n] = np.concatenate([s.prompt, s.response])
+        out["segment_ids"][b, :n] = 1
+        out["mask"][b, p:n] = s.loss_mask
+        out["rollout_logp"][b, p:n] = s.logprobs
+        policy = np.flatnonzero(s.loss_mask)
+        if len(policy):
+            out["rewards"][b, p + policy[-1]] = s.reward
+        version[b], group[b], score[b] = s.version, s.group, s.reward
+    return {**out, "version": version, "group": group, "score": score}
+
+
+@jax.jit
+def _gae_both(rewards, values, mask, gamma, lam_actor, lam_critic):
+    adv, _ = gae(rewards, values, mask, gamma, lam_actor)
+    _, returns = gae(rewards, values, mask, gamma, lam_critic)
+    return adv, returns
+
+
+class Learner:
+    """The trainer's side: actor (and critic) parameters with their optimizers on the trainer devices, and the PPO
+    update on one batch of samples (forward passes, advantages, ppo_epochs x minibatches optimizer updates)."""
+
+    def __init__(self, model: GLM, p, actor_opt: dict, critic_opt: dict):
+        cfg, self.p = model.cfg, p
+        self.placement = Placement(p.data_parallel)
+        self.graphdef, params, rest = nnx.split(model, ACTOR_TRAINABLE, ...)
+        self.params, self.rest = self.placement.replicate((params, rest))
+        self.ref_params = self.params  # the policy PPO starts from (KL reference); arrays are never donated
+        actor_tx, self.table = build_optimizer(self.params, actor_opt, cfg)
+        self.actor_state, self.apply_actor = actor_tx.init(self.params), make_apply(actor_tx)
+        self.use_critic = p.advantage == "gae"
+        cgraphdef = None
+        if self.use_critic:
+            cgraphdef, backbone, crest = nnx.split(model, CRITIC_TRAINABLE, ...)
+            self.cparams = self.placement.replicate((backbone, init_value_head(cfg.hidden_size)))
+            self.crest = self.placement.replicate(crest)
+            critic_tx, _ = critic_optimizer(self.cparams[0], critic_opt, cfg)
+            self.critic_state, self.apply_critic = critic_tx.init(self.cparams), make_apply(critic_tx)
+        self.fns = PPOFunctions(self.graphdef, cgraphdef, p.mode, p.temperature, p.logprob_chunk,
+                                PolicyLossConfig(p.policy_loss, p.clip_low, p.clip_high, p.dual_clip, p.icepop_low,
+                                                 p.icepop_high), p.entropy_coef, p.kl_coef, p.value_clip)
+        self.rng = np.random.default_rng(p.seed + 2)
+
+    def policy_state(self):
+        """The actor's complete model state (what the Decoder runs)."""
+        return full_state(self.graphdef, self.params, self.rest)
+
+    def update(self, samples, version: int, rows: int, seq_len: int, train_actor: bool) -> dict:
+        p, fns, place = self.p, self.fns, self.placement
+        data = pack_samples(samples, rows, seq_len)
+        fwd = {k: data[k] for k in ("tokens", "segment_ids", "positions")}
+        data["old_logp"] = forward(fns.logprobs, (self.params, self.rest), fwd, p.micro_batches, place)
+        if p.kl_coef:
+            data["ref_logp"] = forward(fns.logprobs, (self.ref_params, self.rest), fwd, p.micro_batches, place)
+        m = mismatch_metrics(data, version)
+        m.update(self.advantages(data, fwd))
+        keys = ["tokens", "segment_ids", "positions", "old_logp", "rollout_logp", "advantages", "returns",
+                "old_values"] + (["ref_logp"] if p.kl_coef else [])
+        for _ in range(p.ppo_epochs):
+            for idx in np.array_split(self.rng.permutation(rows), p.minibatches):
+                mb = {k: data[k][idx] for k in keys}
+                mb["weights"] = loss_weights(data["mask"][idx], p.loss_agg)
+                if not mb["weights"].any():
+                    continue  # nothing to learn from (padding rows only)
+                if train_actor:
+                    grads, sums = accumulate(fns.actor_grads, (self.params, self.rest), mb, p.micro_batches, place)
+                    self.params, self.actor_state, gnorm = self.apply_actor(self.params, self.actor_state, grads)
+                    m.update({k: float(v) for k, v in sums.items()}, actor_grad_norm=float(gnorm))
+                if self.use_critic:
+                    args = (self.cparams[0], self.crest, self.cparams[1])
+                    grads, sums = accumulate(fns.critic_grads, args, mb, p.micro_batches, place)
+                    self.cparams, self.critic_state, gnorm = self.apply_critic(self.cparams, self.critic_state, grads)
+                    m.update({k: float(v) for k, v in sums.items()}, critic_grad_norm=float(gnorm))
+        m["train_tokens"] = float(np.sum(data["segment_ids"] > 0)) * p.ppo_epochs
+        return m
+
+    def advantages(self, data: dict, fwd: dict) -> dict:
+        """Fills data["advantages"], ["returns"], ["old_values"] over the whole batch; -> metrics."""
+        p, mask = self.p, data["mask"]
+        if not self.use_critic:
+            adv = np.asarray(grpo(data["score"], data["group"], mask, p.grpo_std))
+            data["returns"] = data["old_values"] = np.zeros_like(mask)
+            data["advantages"] = adv
+            return {"adv_abs_mean": float(np.sum(np.abs(adv) * mask) / max(mask.sum(), 1))}
+        values = forward(self.fns.values, (self.cparams[0], self.crest, self.cparams[1]), fwd, p.micro_batches,
+                         self.placement) * mask
+        adv, returns = (np.asarray(x) for x in _gae_both(data["rewards"], values, mask, p.gamma, p.lam_actor,
+                                                         p.lam_critic))
+        n = max(mask.sum(), 1)
+        m = {"explained_variance": float(explained_variance(values, returns, mask)),
+             "value_mean": float(np.sum(values * mask) / n), "return_mean": float(np.sum(returns * mask) / n),
+             "adv_mean_raw": float(np.sum(adv * mask) / n)}
+        if p.whiten_advantages:
+            adv = np.asarray(masked_whiten(adv, mask))
+        data["advantages"], data["returns"], data["old_values"] = adv, returns, values
+        return m
+
+
+def train_ppo(config, workdir: str, progress: bool = True, load_params: LoadParams | None = None) -> dict:
+    """Run the PPO stage; writes workdir/{config.json, metrics.jsonl, interceptions.jsonl}. -> summary dict."""
+    t0 = time.perf_counter()
+    cfg = validate_ppo_config(config)
+    p = config.ppo
+    task = build_task(p)
+    reward_fn = resolve_callable(p.reward, REWARDS, "reward")
+    judge = resolve_callable(p.judge, {}, "judge") if p.judge else None
+    make_env = env_factory(p, reward_fn, Interceptor(judge=judge) if p.interceptor else None)
+    if p.init_checkpoint is not None and load_params is None:
+        raise ConfigError(f"ppo.init_checkpoint={p.init_checkpoint!r}: needs a params loader (train_ppo(..., "
+                          "load_params=...))")
+    updates_per_step = p.ppo_epochs * p.minibatches
+    optim = config.optim.to_dict()
+    actor_opt = {**optim, "total_steps": (p.steps - p.critic_warmup_steps) * updates_per_step}
+    critic_opt = {**optim, **p.critic_optim.to_dict(), "total_steps": p.steps * updates_per_step}
+    validate_optim_config(actor_opt)
+    validate_optim_config(critic_opt)
+    B, L = p.prompts_per_step * p.group_size, p.max_prompt_len + p.max_response_len
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+        f.write(config.to_json(indent=2))
+
+    # ----- initial policy: a checkpoint through the loader, or a supervised warm-up, or the random init
+    model = GLM(cfg, nnx.Rngs(p.seed))
+    summary: dict = {}
+    if p.init_checkpoint is not None:
+        nnx.update(model, load_params(p.init_checkpoint, nnx.state(model)))
+    elif p.sft_steps:
+        script = SCRIPTS[p.sft_script]
+
+        def demo(rng):
+            problem = task.sample(rng)
+            return run_script(make_env(problem, rng), script(problem))
+
+        losses = supervised_warmup(model, demo, p.sft_steps, p.sft_batch_size, L, optim, p.sft_lr, p.mode, TOK.PAD,
+                                   p.seed, progress)
+        summary["sft_first_loss"], summary["sft_last_loss"] = losses[0], losses[-1]
+    learner = Learner(model, p, actor_opt, critic_opt)
+    print(f"ppo: {p.task} ({p.env}), {B} rollouts/step ({p.prompts_per_step} prompts x {p.group_size}), "
+          f"{p.steps} steps, {p.advantage} + {p.policy_loss}, {'async' if p.async_rollout else 'sync'} rollouts")
+    print(learner.table)
+
+    # ----- rollouts: the sampler runs on a device of its own when the trainer leaves one free
+    devices = jax.devices()
+    rollout_device = devices[p.data_parallel] if len(devices) > p.data_parallel else devices[0]
+    decoder = Decoder(model, p.mode)  # the model object only gives the structure; weights are passed per call
+    sampler = Sampler(decoder, B, p.max_prompt_len, p.max_response_len, p.temperature, p.top_p, TOK.PAD)
+    gen_rng, gen_key = np.random.default_rng(p.seed + 1), jax.random.key(p.seed + 1)
+
+    def produce(state, version) -> RolloutBatch:
+        nonlocal gen_key
+        t = time.perf_counter()
+        problems = [task.sample(gen_rng) for _ in range(p.prompts_per_step)]
+        envs = [make_env(pr, gen_rng) for pr in problems for _ in range(p.group_size)]
+        groups = [g for g in range(p.prompts_per_step) for _ in range(p.group_size)]
+        gen_key, sub = jax.random.split(gen_key)
+        samples = sampler.rollout(state, envs, groups, version, sub)
+        return RolloutBatch(samples, version, time.perf_counter() - t, sum(len(s.response) for s in samples))
+
+    eval_problems = task.eval_set(p.eval_problems)
+    greedy = Sampler(decoder, B, p.max_prompt_len, p.max_response_len, 0.0, 1.0, TOK.PAD)
+
+    def evaluate() -> dict:
+        """Held-out problems: greedy accuracy, and the solve rate of `eval_samples` sampled episodes per problem at
+        the rollout temperature (smoother: it moves with the whole sampling distribution)."""
+        state, out = learner.policy_state(), {}
+        for name, smp, reps in (("eval_accuracy", greedy, 1), ("eval_sampled_accuracy", sampler, p.eval_samples)):
+            problems = [pr for pr in eval_problems for _ in range(reps)]
+            rewards = []
+            for i in range(0, len(problems), B):
+                chunk = problems[i:i + B]
+                envs = [make_env(pr, np.random.default_rng(i)) for pr in chunk]
+                samples = smp.rollout(state, envs, list(range(len(chunk))), -1, jax.random.key(i))
+                rewards += [s.reward for s in samples]
+            out[name] = float(np.mean(np.asarray(rewards) == 1.0))
+        return out
+
+    def sampler_state():
+        return jax.device_put(learner.policy_state(), rollout_device)
+
+    version, worker = 0, None
+    if p.async_rollout:
+        worker = RolloutWorker(produce, p.rollout_ahead)
+        worker.set_weights(sampler_state(), version)
+        worker.start()
+    start = time.perf_counter()
+    summary.update({"setup_s": start - t0, "steps": p.steps})
+    totals = dict.fromkeys(["wait_s", "step_s", "rollout_tokens", "rollout_s", "train_tokens", "train_s"], 0.0)
+    with open(os.path.join(workdir, "metrics.jsonl"), "w") as out, \
+            open(os.path.join(workdir, "interceptions.jsonl"), "w") as icpt, \
+            tqdm(total=p.steps, disable=not progress, dynamic_ncols=True, desc="ppo") as bar:
+        def write(record):
+            out.write(json.dumps(record) + "\n")
+            out.flush()
+
+        e = evaluate()
+        write({"step": 0, **e})
+        summary.update({k + "_start": v for k, v in e.items()})
+        bar.write(f"step 0: eval accuracy {e['eval_accuracy']:.3f} (sampled {e['eval_sampled_accuracy']:.3f})")
+        try:
+            for step in range(1, p.steps + 1):
+                ts = time.perf_counter()
+                batch = worker.get() if worker else produce(sampler_state(), version)
+                wait = time.perf_counter() - ts
+                m = {"step": step, "version": version, **rollout_metrics(batch, version)}
+                for b, s in enumerate(batch.samples):
+                    for r in s.info.get("interceptions", ()):
+                        icpt.write(json.dumps({"step": step, "sample": b, "group": s.group, **r}) + "\n")
+                icpt.flush()
+                samples, counts = filter_groups(batch.samples, version, p.max_staleness, p.group_size)
+                m.update(counts)
+                tt = time.perf_counter()
+                train_actor = step > p.critic_warmup_steps
+                if samples:
+                    m.update(learner.update(samples, version, B, L, train_actor))
+                    if train_actor:
+                        version += 1
+                        if worker:
+                            worker.set_weights(sampler_state(), version)
+                now = time.perf_counter()
+                m.update(wait_s=wait, train_s=now - tt, step_s=now - ts, wait_share=wait / max(now - ts, 1e-9),
+                         wall_s=now - start)
+                if step > 1:  # the first step compiles everything: reported, not averaged
+                    for k, v in (("wait_s", wait), ("step_s", now - ts), ("train_s", now - tt),
+                                 ("rollout_tokens", batch.tokens), ("rollout_s", batch.generate_s),
+                                 ("train_tokens", m.get("train_tokens", 0.0))):
+                        totals[k] += v
+                else:
+                    summary["first_step_s"] = now - ts
+                if step % p.log_every == 0 or step == p.steps:
+                    write(m)
+                if (p.eval_every and step % p.eval_every == 0) or step == p.steps:
+                    e = evaluate()
+                    write({"step": step, **e})
+                    ev = m.get("explained_variance")
+                    bar.write(f"step {step}: eval accuracy {e['eval_accuracy']:.3f} (sampled "
+                              f"{e['eval_sampled_accuracy']:.3f}), reward {m['reward_mean']:.3f}"
+                              + (f", explained variance {ev:.3f}" if ev is not None else ""))
+                    summary.update(e)
+                bar.update(1)
+                bar.set_postfix(reward=f"{m['reward_mean']:.2f}", wait=f"{m['wait_share']:.2f}")
+                summary["last"] = m
+        finally:
+            if worker:
+                worker.stop()
+    summary.update(wait_share=totals["wait_s"] / max(totals["step_s"], 1e-9),
+                   step_s=totals["step_s"] / max(p.steps - 1, 1),
+                   rollout_tokens_per_s=totals["rollout_tokens"] / max(totals["rollout_s"], 1e-9),
+                   trainer_tokens_per_s=totals["train_tokens"] / max(totals["train_s"], 1e-9),
+                   final_version=version, wall_s=time.perf_counter() - t0)
+    print("done: " + ", ".join(f"{k} {v:.4g}" for k, v in summary.items() if isinstance(v, float)))
+    return summary
+
+
+def rollout_metrics(batch: RolloutBatch, version: int) -> dict:
+    ok = [s for s in batch.samples if s.status != "env_crash"]
+    rewards = np.array([s.reward for s in ok]) if ok else np.zeros(1)
+    hacked = [s.reward for s in ok if s.intercepted]
+    clean = [s.reward for s in ok if not s.intercepted]
+    return {"reward_mean": float(rewards.mean()), "solved": float(np.mean(rewards == 1.0)),
+            "response_tokens": float(np.mean([s.loss_mask.sum() for s in ok])) if ok else 0.0,
+            "truncated": sum(s.status == "truncated" for s in batch.samples),
+            "staleness": float(np.mean([version - s.version for s in batch.samples])),
+            "interceptions": sum(sum(r["blocked"] for r in s.info.get("interceptions", ())) for s in batch.samples),
+            "intercepted_samples": len(hacked), "reward_intercepted": float(np.mean(hacked)) if hacked else None,
+            "reward_not_intercepted": float(np.mean(clean)) if clean else None,
+            "tool_calls": float(np.mean([s.info.get("tool_calls", 0) for s in batch.samples])),
+            "rollout_tokens_per_s": batch.tokens / max(batch.generate_s, 1e-9)}
+
+
+def mismatch_metrics(data: dict, version: int) -> dict:
+    """Rollout vs trainer log-probs on policy tokens: over samples generated by the trainer's current weights (pure
+    engine mismatch: decode path vs training forward) and over all samples (adds staleness)."""
+    out = {}
+    delta = data["old_logp"] - data["rollout_logp"]  # log pi_train - log pi_rollout
+    for name, rows in (("", data["version"] == version), ("_all", data["version"] >= 0)):
+        mask = data["mask"] * rows[:, None]
+        n = mask.sum()
+        if n:
+            out["logp_mismatch" + name] = float(np.sum(np.abs(delta) * mask) / n)
+            out["logp_kl" + name] = float(np.sum((np.exp(-delta) - 1 + delta) * mask) / n)  # KL(rollout || train)
+    return out
