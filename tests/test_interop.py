@@ -203,7 +203,7 @@ def ours_forward(model, tok, monkeypatch):
     """-> logits, per-layer indices used [B,S,k'] (-1 = none), per-layer index scores [B,S,T] of the full layer
     that produced them. Layers unrolled (scan_layers=False) so each layer's values can be returned from the jit."""
     used, qkw = [], []
-    sparse, topk = mla_mod.SPARSE_ATTENTION["xla"], mla_mod.index_topk
+    sparse, topk = mla_mod.SPARSE_ATTENTION["xla"], mla_mod.INDEX_TOPK["xla"]
 
     def rec_sparse(q, kv, idx, **kw):
         used.append(idx)
@@ -214,7 +214,7 @@ def ours_forward(model, tok, monkeypatch):
         return topk(q, k, w, *a, **kw)
 
     monkeypatch.setitem(mla_mod.SPARSE_ATTENTION, "xla", rec_sparse)
-    monkeypatch.setattr(mla_mod, "index_topk", rec_topk)
+    monkeypatch.setitem(mla_mod.INDEX_TOPK, "xla", rec_topk)
 
     @nnx.jit
     def run(m, b):

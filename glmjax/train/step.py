@@ -83,7 +83,7 @@ def make_train_step(graphdef, tx, stage: Stage | str, mode: str, bias_rate: floa
         if load is not None:
             metrics["load_imbalance"] = load_stats(load)
             if stage.moves_router_bias:
-                model = nnx.merge(graphdef, new_params, rest)
+                model = nnx.merge(graphdef, new_params, rest, copy=True)  # the bias update must not touch `rest`
                 update_router_bias(model, load, bias_rate)
                 _, new_params, new_rest = nnx.split(model, TRAINABLE[stage.trainable], ...)
         keep = functools.partial(jax.tree.map, lambda new, old: jnp.where(ok, new, old))
