@@ -128,16 +128,23 @@ def test_tool_env_reading_the_protected_answer_never_raises_reward(tmp_path):
 
 
 def test_train_ppo_options_run_together(tmp_path):
-    """GRPO + async_two_sided + KL and entropy terms + 2 micro-batches x 2 data-parallel devices + sync rollouts +
-    simulated environment crashes, from a random policy for a few steps: it runs, crashes are dropped and counted,
-    groups are padded or dropped, the interception log and the metrics exist."""
+    """Through train.py's entry (`glmjax.train.run`, config.stage = "ppo"): GRPO + async_two_sided + KL and entropy
+    terms + 2 micro-batches x 2 data-parallel devices + sync rollouts + simulated environment crashes, after 2
+    steps of the built-in supervised warm-up on calculator demonstrations (played without the simulated crashes),
+    for a few steps: it runs, crashes are dropped and counted, groups are padded or dropped, the interception log
+    and the metrics exist."""
+    from glmjax.train import run
+
     c = make_config(model={"num_hidden_layers": 1, "indexer_types": ("full",), "index_topk": 48},
                     env="tool", env_crash_prob=0.3, advantage="grpo", policy_loss="async_two_sided", kl_coef=0.05,
                     entropy_coef=0.01, micro_batches=2, data_parallel=2, async_rollout=False, steps=3,
                     prompts_per_step=4, group_size=4, max_prompt_len=6, max_response_len=24, eval_every=0,
-                    eval_problems=4, eval_samples=1, init_checkpoint=None, sft_steps=0, log_every=1)
+                    eval_problems=4, eval_samples=1, init_checkpoint=None, sft_steps=2, sft_batch_size=8,
+                    sft_script="calc", log_every=1)
+    c.stage = "ppo"
     c.optim.warmup_steps = 1
-    s = train_ppo(c, str(tmp_path), progress=False)
+    s = run(c, str(tmp_path), progress=False)
+    assert "sft_last_loss" in s  # the warm-up ran (its calc demonstrations would hit a simulated crash otherwise)
     rows = [r for r in metrics(tmp_path) if "reward_mean" in r]
     assert len(rows) == 3 and s["final_version"] == sum("policy_loss" in r for r in rows)  # one version per update
     assert sum(r["dropped_env_crash"] for r in rows) > 0
@@ -147,3 +154,5 @@ def test_train_ppo_options_run_together(tmp_path):
         if kept:
             assert np.isfinite(r["policy_loss"]) and r["kl_ref"] >= 0 and "explained_variance" not in r
     assert os.path.exists(tmp_path / "interceptions.jsonl")
+    # held-out evaluation runs without the simulated crashes: always a rate, never NaN
+    assert all(np.isfinite(s[k]) for k in ("eval_accuracy", "eval_sampled_accuracy", "eval_accuracy_start"))

@@ -56,11 +56,12 @@ def build_task(p):
         raise ConfigError(f"ppo.task_args={p.task_args.to_dict()!r}: {e}") from e
 
 
-def env_factory(p, task_reward, interceptor):
-    """-> make_env(problem, rng) for the configured environment."""
+def env_factory(p, task_reward, interceptor, crash_prob: float | None = None):
+    """-> make_env(problem, rng) for the configured environment (crash_prob: overrides ppo.env_crash_prob)."""
+    crash_prob = p.env_crash_prob if crash_prob is None else crash_prob
     if p.env == "tool":
-        return lambda problem, rng: ENVS["tool"](problem, task_reward, interceptor, p.max_tool_calls,
-                                                 p.env_crash_prob, rng)
+        return lambda problem, rng: ENVS["tool"](problem, task_reward, interceptor, p.max_tool_calls, crash_prob,
+                                                 rng)
     return lambda problem, rng: ENVS["single_turn"](problem, task_reward)
 
 
@@ -183,7 +184,10 @@ def train_ppo(config, workdir: str, progress: bool = True, load_params: LoadPara
     task = build_task(p)
     reward_fn = resolve_callable(p.reward, REWARDS, "reward")
     judge = resolve_callable(p.judge, {}, "judge") if p.judge else None
-    make_env = env_factory(p, reward_fn, Interceptor(judge=judge) if p.interceptor else None)
+    interceptor = Interceptor(judge=judge) if p.interceptor else None
+    make_env = env_factory(p, reward_fn, interceptor)
+    # evaluation and demonstrations run without the simulated crashes (they exercise the rollout dropping rule)
+    make_clean_env = env_factory(p, reward_fn, interceptor, crash_prob=0.0)
     if p.init_checkpoint is not None and load_params is None:
         raise ConfigError(f"ppo.init_checkpoint={p.init_checkpoint!r}: needs a params loader (train_ppo(..., "
                           "load_params=...))")
@@ -208,7 +212,7 @@ def train_ppo(config, workdir: str, progress: bool = True, load_params: LoadPara
 
         def demo(rng):
             problem = task.sample(rng)
-            return run_script(make_env(problem, rng), script(problem))
+            return run_script(make_clean_env(problem, rng), script(problem))
 
         losses = supervised_warmup(model, demo, p.sft_steps, p.sft_batch_size, L, optim, p.sft_lr, p.mode, TOK.PAD,
                                    p.seed, progress)
@@ -240,17 +244,19 @@ def train_ppo(config, workdir: str, progress: bool = True, load_params: LoadPara
 
     def evaluate() -> dict:
         """Held-out problems: greedy accuracy, and the solve rate of `eval_samples` sampled episodes per problem at
-        the rollout temperature (smoother: it moves with the whole sampling distribution)."""
+        the rollout temperature (smoother: it moves with the whole sampling distribution). The policy is measured
+        without simulated crashes (ppo.env_crash_prob); an episode whose environment really crashes is not the
+        policy's fault and is left out (NaN if every episode crashed)."""
         state, out = learner.policy_state(), {}
         for name, smp, reps in (("eval_accuracy", greedy, 1), ("eval_sampled_accuracy", sampler, p.eval_samples)):
             problems = [pr for pr in eval_problems for _ in range(reps)]
             rewards = []
             for i in range(0, len(problems), B):
                 chunk = problems[i:i + B]
-                envs = [make_env(pr, np.random.default_rng(i)) for pr in chunk]
+                envs = [make_clean_env(pr, np.random.default_rng([p.seed, i, j])) for j, pr in enumerate(chunk)]
                 samples = smp.rollout(state, envs, list(range(len(chunk))), -1, jax.random.key(i))
-                rewards += [s.reward for s in samples]
-            out[name] = float(np.mean(np.asarray(rewards) == 1.0))
+                rewards += [s.reward for s in samples if s.status != "env_crash"]
+            out[name] = float(np.mean(np.asarray(rewards) == 1.0)) if rewards else float("nan")
         return out
 
     def sampler_state():
