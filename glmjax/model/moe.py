@@ -308,6 +308,7 @@ def grouped_matmul_blocked(xs, w, group_sizes):
                         E - 1)  # of each row
     dest = jnp.where(rows < jnp.sum(group_sizes), pstart[group] + rows - start[group], nb * bm)  # -> padded slot
     xp = jnp.zeros((nb * bm, D), xs.dtype).at[dest].set(xs, mode="drop")
-    block_group = jnp.minimum(jnp.searchsorted(ends, jnp.arange(nb) * bm, side="right"), E - 1)
+    block_group = jnp.minimum(jnp.searchsorted(ends, jnp.arange(nb) * bm, side="right", method="scan_unrolled"),
+                              E - 1)
     out = jnp.einsum("jbd,jdf->jbf", xp.reshape(nb, bm, D), w[block_group])
     return out.reshape(nb * bm, -1).at[dest].get(mode="fill", fill_value=0)

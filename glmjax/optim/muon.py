@@ -13,24 +13,71 @@ An orthogonal fan_in x fan_out matrix has RMS 1/sqrt(max(fan_in, fan_out)), so `
 Newton-Schulz with these coefficients leaves singular values in roughly [0.7, 1.2] (tests/test_optim.py measures
 it), so the realised RMS is ~0.2 * rms(singular values).
 
-optax's MuonDimensionNumbers treats every axis that is neither a reduction nor an output axis as a batch axis, which
-gives per-layer, per-expert and (in split mode) per-head orthogonalisation for free. What it cannot express is
+Every axis that is neither a reduction nor an output axis is a batch axis: per-layer, per-expert and (in split mode)
+per-head orthogonalisation. optax's scale_by_muon keeps the momentum; its own Newton-Schulz is switched off
+(ns_steps=0 leaves only the Frobenius normalisation) because it vmaps over every matrix of a leaf at once, which for
+GLM-5's stacked experts (75 layers x 256 experts) needs ~640 GB of temporaries per chip on v5p-2048
+(docs/benchmarks.md). `orthogonalize` runs the stacked-layer axis as a loop instead: one layer's matrices at a time. What it cannot express is
 cutting one axis into parts (W_UK | W_UV of kv_b_proj, nope | rope of q_b_proj): `split_parts` turns such a parameter
 into one leaf per part before the group's transformation and `merge_parts` puts the parts back afterwards, so the
 Muon state (momentum) of a split parameter is stored per part.
 """
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from optax.contrib import MuonDimensionNumbers, scale_by_muon
 
 from glmjax.optim.grouping import ParamInfo, Segment
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic: maximal slope at 0, converges to ~[0.7, 1.2]
+
+
+def newton_schulz(x, steps: int, eps: float):
+    """NewtonSchulz5 of the last two axes of x (leading axes batched), each matrix Frobenius-normed first."""
+    tall = x.shape[-2] > x.shape[-1]
+    if tall:  # iterate on the smaller Gram matrix
+        x = jnp.swapaxes(x, -1, -2)
+    x = x / (jnp.sqrt(jnp.sum(jnp.square(x), axis=(-2, -1), keepdims=True)) + eps)
+    a, b, c = NS_COEFFS
+    for _ in range(steps):
+        gram = x @ jnp.swapaxes(x, -1, -2)
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return jnp.swapaxes(x, -1, -2) if tall else x
+
+
+def orthogonalize(x, dims: MuonDimensionNumbers, steps: int, eps: float, loop_axis: int | None):
+    """Newton-Schulz of every (reduction x output) matrix of x; batch axes are all the others. loop_axis (a batch
+    axis: the stacked layers) runs as a sequential `lax.map`, so temporaries hold one layer's matrices."""
+    red, out = tuple(dims.reduction_axis), tuple(dims.output_axis)
+    batch = [i for i in range(x.ndim) if i not in red + out]
+    if loop_axis is not None:
+        batch.remove(loop_axis)
+        batch.insert(0, loop_axis)
+    perm = batch + list(red) + list(out)
+    xt = jnp.transpose(x, perm)
+    lead = xt.shape[:len(batch)]
+    m = xt.reshape(lead + (math.prod(x.shape[i] for i in red), math.prod(x.shape[i] for i in out)))
+    if loop_axis is not None and x.shape[loop_axis] > 1:
+        y = jax.lax.map(lambda one: newton_schulz(one, steps, eps), m)
+    else:
+        y = newton_schulz(m, steps, eps)
+    return jnp.transpose(y.reshape(xt.shape), np.argsort(perm))
+
+
+def orthogonalize_parts(dims: dict, steps: int, eps: float, loop_axes: dict) -> optax.GradientTransformation:
+    """`orthogonalize` every leaf of a {part key: array} update."""
+
+    def update_fn(updates, state, params=None):
+        del params
+        return {k: orthogonalize(u, dims[k], steps, eps, loop_axes[k]) for k, u in updates.items()}, state
+
+    return optax.GradientTransformation(optax.init_empty_state, update_fn)
 
 
 def part_key(info: ParamInfo, seg: Segment) -> str:
@@ -81,15 +128,17 @@ def muon_for_parts(infos: list[ParamInfo], schedule: optax.Schedule, *, momentum
                    ns_steps: int, weight_decay: float, consistent_rms: float | None,
                    eps: float = 1e-8) -> optax.GradientTransformation:
     """Muon over a {part key: array} dict holding exactly the parts of `infos`."""
-    dims, scales = {}, {}
+    dims, scales, loop_axes = {}, {}, {}
     for info in infos:
         for s in info.segments:
             k = part_key(info, s)
             dims[k] = MuonDimensionNumbers(reduction_axis=s.reduction_axis, output_axis=s.output_axis)
             scales[k] = rms_scale(s, consistent_rms)
+            loop_axes[k] = info.axes.index("layers") if "layers" in info.axes else None
     return optax.chain(
-        scale_by_muon(ns_coeffs=NS_COEFFS, ns_steps=ns_steps, beta=momentum, eps=eps, nesterov=nesterov,
-                      weight_dimension_numbers=dims),
+        scale_by_muon(ns_coeffs=NS_COEFFS, ns_steps=0, beta=momentum, eps=eps, nesterov=nesterov,
+                      weight_dimension_numbers=dims),  # momentum only (see the module doc)
+        orthogonalize_parts(dims, ns_steps, eps, loop_axes),
         scale_by_constant(scales),
         optax.add_decayed_weights(weight_decay),
         optax.scale_by_learning_rate(schedule),
