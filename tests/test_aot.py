@@ -40,4 +40,6 @@ def test_train_step_compiles_for_v5p_with_expert_and_tensor_parallelism(devices)
     assert mem["alias"] > 0.9 * mem["output"]  # the donated state is updated in place
     assert 0 < mem["argument"] and 0 < mem["total"] < aot.HBM_BYTES["v5p"]
     c = aot.cost(compiled)
-    assert c["flops"] > 0 and c["seconds"] > 0
+    assert c["flops"] > 0 and c["bytes"] > 0 and c["comm_bytes"] > 0  # expert all-to-alls, gradient reduces
+    t = aot.roofline(c, "v5p")
+    assert 0 < t["fast"] <= t["slow"] == pytest.approx(t["compute"] + t["memory"] + t["network"])
