@@ -16,11 +16,12 @@ it), so the realised RMS is ~0.2 * rms(singular values).
 Every axis that is neither a reduction nor an output axis is a batch axis: per-layer, per-expert and (in split mode)
 per-head orthogonalisation. optax's scale_by_muon keeps the momentum; its own Newton-Schulz is switched off
 (ns_steps=0 leaves only the Frobenius normalisation) because it vmaps over every matrix of a leaf at once, which for
-GLM-5's stacked experts (75 layers x 256 experts) needs ~640 GB of temporaries per chip on v5p-2048
-(docs/benchmarks.md). `orthogonalize` runs the stacked-layer axis as a loop instead: one layer's matrices at a time. What it cannot express is
-cutting one axis into parts (W_UK | W_UV of kv_b_proj, nope | rope of q_b_proj): `split_parts` turns such a parameter
-into one leaf per part before the group's transformation and `merge_parts` puts the parts back afterwards, so the
-Muon state (momentum) of a split parameter is stored per part.
+GLM-5's stacked experts (75 layers x 256 experts) needs 638 GiB of temporaries per chip on v5p-2048
+(docs/benchmarks.md). `orthogonalize` runs the stacked-layer axis as a loop instead: one layer's matrices at a time.
+
+What dimension numbers cannot express is cutting one axis into parts (W_UK | W_UV of kv_b_proj, nope | rope of
+q_b_proj): `split_parts` turns such a parameter into one leaf per part before the group's transformation and
+`merge_parts` puts the parts back afterwards, so the Muon state (momentum) of a split parameter is stored per part.
 """
 from __future__ import annotations
 
