@@ -291,21 +291,26 @@ def shifted_targets(batch: Batch, n: int):
     return shift_left(batch.tokens, n, 0), ok.astype(f32)
 
 
-def token_nll(h, head, targets, chunk: int):
-    """-log softmax(h @ head)[target] per token [B,S] f32, computed `chunk` positions at a time under remat,
-    so the [B,S,V] logits never exist (forward or backward)."""
+def map_position_chunks(fn, h, targets, chunk: int):
+    """fn((h [B,c,D], targets [B,c])) -> tuple of [B,c] arrays, applied `chunk` positions at a time under remat
+    (lax.map), so whatever fn builds per chunk (e.g. [B,c,V] logits) never exists for all S positions, forward or
+    backward. h [B,S,D], targets [B,S] -> tuple of [B,S]."""
     B, S, D = h.shape
     c = min(chunk, S)
     n = -(-S // c)
     pad = n * c - S
     hs = jnp.moveaxis(jnp.pad(h, ((0, 0), (0, pad), (0, 0))).reshape(B, n, c, D), 1, 0)
     ts = jnp.moveaxis(jnp.pad(targets, ((0, 0), (0, pad))).reshape(B, n, c), 1, 0)
+    outs = jax.lax.map(jax.checkpoint(fn), (hs, ts))
+    return tuple(jnp.moveaxis(o, 0, 1).reshape(B, n * c)[:, :S] for o in outs)
 
-    @jax.checkpoint
+
+def token_nll(h, head, targets, chunk: int):
+    """-log softmax(h @ head)[target] per token [B,S] f32, `chunk` positions at a time (`map_position_chunks`)."""
+
     def one(args):
         hc, tc = args
         logits = jnp.einsum("bcd,dv->bcv", hc, head.astype(hc.dtype), preferred_element_type=f32)
-        return jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(logits, tc[..., None], axis=-1)[..., 0]
+        return (jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(logits, tc[..., None], axis=-1)[..., 0],)
 
-    nll = jax.lax.map(one, (hs, ts))
-    return jnp.moveaxis(nll, 0, 1).reshape(B, n * c)[:, :S]
+    return map_position_chunks(one, h, targets, chunk)[0]

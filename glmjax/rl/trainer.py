@@ -16,6 +16,7 @@ import optax
 from flax import nnx
 
 from glmjax.model import GLM, Batch
+from glmjax.model.transformer import map_position_chunks
 from glmjax.optim import build_optimizer, make_schedule, validate_optim_config
 from glmjax.rl.losses import PolicyLossConfig, kl_k3, policy_loss, value_loss
 
@@ -31,15 +32,7 @@ def token_logprobs(h, head, tokens, temperature: float, chunk: int):
     """Final hidden h [B,S,D], LM head [D,V], tokens [B,S] -> (log-prob of token i under softmax(logits_{i-1} / T),
     entropy of that distribution), both [B,S] f32 with 0 at i = 0. Computed `chunk` positions at a time under remat,
     so the [B,S,V] logits never exist. The temperature matches the sampler's log-probs."""
-    B, S, D = h.shape
-    n = S - 1
-    c = min(chunk, n)
-    nb = -(-n // c)
-    pad = nb * c - n
-    hs = jnp.moveaxis(jnp.pad(h[:, :-1], ((0, 0), (0, pad), (0, 0))).reshape(B, nb, c, D), 1, 0)
-    ts = jnp.moveaxis(jnp.pad(tokens[:, 1:], ((0, 0), (0, pad))).reshape(B, nb, c), 1, 0)
 
-    @jax.checkpoint
     def one(args):
         hc, tc = args
         logits = jnp.einsum("bcd,dv->bcv", hc, head.astype(hc.dtype), preferred_element_type=f32) / temperature
@@ -47,9 +40,9 @@ def token_logprobs(h, head, tokens, temperature: float, chunk: int):
         lp = jnp.take_along_axis(logp_all, tc[..., None], axis=-1)[..., 0]
         return lp, -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
 
-    lp, ent = jax.lax.map(one, (hs, ts))
-    unchunk = lambda x: jnp.pad(jnp.moveaxis(x, 0, 1).reshape(B, nb * c)[:, :n], ((0, 0), (1, 0)))
-    return unchunk(lp), unchunk(ent)
+    lp, ent = map_position_chunks(one, h[:, :-1], tokens[:, 1:], chunk)
+    first = lambda x: jnp.pad(x, ((0, 0), (1, 0)))  # noqa: E731  (no prediction for position 0)
+    return first(lp), first(ent)
 
 
 def init_value_head(hidden_size: int) -> dict:

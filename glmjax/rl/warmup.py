@@ -8,17 +8,16 @@ from __future__ import annotations
 
 from typing import Callable
 
-import jax
+import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 from tqdm import tqdm
 
 from glmjax.model import GLM, Batch
 from glmjax.optim import build_optimizer
+from glmjax.train.step import make_train_step, split_model
 
 Episode = tuple  # (prompt tokens, response tokens, response loss mask), as env.run_script returns
-SFT_TRAINABLE = nnx.All(nnx.Param, nnx.Not(nnx.PathContains("indexer")))
 
 
 def pack_episodes(episodes, seq_len: int, pad_id: int) -> Batch:
@@ -43,23 +42,18 @@ def supervised_warmup(model: GLM, episode: Callable[[np.random.Generator], Episo
                       seq_len: int, optim_cfg: dict, lr: float, mode: str, pad_id: int, seed: int = 0,
                       progress: bool = False) -> list[float]:
     """Train `model` in place for `steps` steps on batches of `episode(rng)` demonstrations with the config's
-    optimizer at peak `lr` (10% warmup, then the config's schedule). -> the loss of every step."""
-    graphdef, params, rest = nnx.split(model, SFT_TRAINABLE, ...)
+    optimizer at peak `lr` (10% warmup, then the config's schedule): the `sft` stage's train step (everything but
+    the indexers, LM + MTP loss on the masked tokens; router biases stay). -> the loss of every step."""
+    graphdef, params, rest = split_model(model, "model")
     tx, _ = build_optimizer(params, {**optim_cfg, "lr": lr, "muon_lr": None, "total_steps": steps,
                                      "warmup_steps": steps // 10}, model.cfg)
     opt_state = tx.init(params)
-
-    @jax.jit
-    def step(params, opt_state, batch):
-        (loss, _), grads = jax.value_and_grad(lambda p: nnx.merge(graphdef, p, rest).loss(batch, mode),
-                                              has_aux=True)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+    step = make_train_step(graphdef, tx, "sft", mode, bias_rate=0.0)
 
     rng, losses = np.random.default_rng(seed), []
-    for _ in tqdm(range(steps), desc="sft warm-up", disable=not progress, dynamic_ncols=True):
+    for i in tqdm(range(steps), desc="sft warm-up", disable=not progress, dynamic_ncols=True):
         batch = pack_episodes([episode(rng) for _ in range(batch_size)], seq_len, pad_id)
-        params, opt_state, loss = step(params, opt_state, batch)
-        losses.append(float(loss))
-    nnx.update(model, params)
+        params, rest, opt_state, m = step(params, rest, opt_state, batch, jnp.int32(i))
+        losses.append(float(m["loss"]))
+    nnx.update(model, params, rest)
     return losses

@@ -37,21 +37,16 @@ def load_stats(expert_load):
 
 
 def jit_step(fn, mesh=None, state=None, donate: bool = True):
-    """jax.jit of fn(*state, batch, *scalars). With a mesh: explicit shardings -- the state arguments keep the
-    shardings of `state` (their arrays), the batch is split over the mesh's batch axes, scalars and the metrics
-    are replicated -- and fn is traced with the mesh in context (expert parallelism reads it)."""
-    donated = tuple(range(len(state) if state is not None else 3)) if donate else ()
+    """jax.jit of fn(*state, batch, *scalars): a train step (state = params, rest, opt_state; donated; takes the step
+    number) or an eval step (state = params, rest). With a mesh: explicit shardings from the arrays of `state`
+    (`glmjax.parallel.shard_train_step` / `shard_eval_step`)."""
     if mesh is None:
-        return jax.jit(fn, donate_argnums=donated)
-    from jax.sharding import NamedSharding, PartitionSpec
+        return jax.jit(fn, donate_argnums=tuple(range(len(state) if state is not None else 3)) if donate else ())
+    from glmjax.parallel import shard_eval_step, shard_train_step
 
-    from glmjax.parallel import batch_sharding, shardings_of, with_mesh
-
-    state_sh = tuple(shardings_of(x) for x in state)
-    rep = NamedSharding(mesh, PartitionSpec())
-    n_scalars = 1 if len(state) == 3 else 0  # the train step takes the step number
-    return jax.jit(with_mesh(fn, mesh), in_shardings=(*state_sh, batch_sharding(mesh)) + (rep,) * n_scalars,
-                   out_shardings=(*state_sh, rep) if len(state) == 3 else rep, donate_argnums=donated)
+    if len(state) == 3:
+        return shard_train_step(fn, mesh, *state, extra_args=1, donate=donate)
+    return shard_eval_step(fn, mesh, *state)
 
 
 def make_train_step(graphdef, tx, stage: Stage | str, mode: str, bias_rate: float, index_loss_weight: float = 1.0,
