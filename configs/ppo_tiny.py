@@ -19,12 +19,12 @@ def get_config():
     c.stage = "ppo"
     c.model = tiny.get_config().model
     c.model.num_nextn_predict_layers = 0
-    c.optim = default_optim_config(name="adamw", lr=3e-4, warmup_steps=10, weight_decay=0.0)  # the actor's
+    c.optim = default_optim_config(name="adamw", lr=2e-4, warmup_steps=10, weight_decay=0.0)  # the actor's
     c.ppo = default_ppo_config(
         task="arithmetic", task_args=dict(low=0, high=9, ops="+", max_result=9), heldout_fraction=0.3,
         reward="exact", steps=150, prompts_per_step=16, group_size=4, max_prompt_len=6, max_response_len=4,
         sft_steps=60, sft_batch_size=64, sft_lr=3e-3,
         advantage="gae", policy_loss="ppo_clip", ppo_epochs=2, minibatches=2,
-        critic_optim=dict(lr=3e-4), critic_warmup_steps=10,
+        critic_optim=dict(lr=1e-3), critic_warmup_steps=10,
         async_rollout=True, eval_every=25, eval_problems=64, eval_samples=16)
     return c

@@ -189,6 +189,23 @@ def test_index_topk_packed_ragged_checked():
     assert ((ids >= 0).sum(-1) == K).mean() > 0.5  # most rows really select (S > k)
 
 
+def test_index_topk_skips_key_blocks_before_the_earliest_document_start():
+    """Documents that start after key block 0, so the packed-sequence block skip really decides something. Key
+    blocks of 128, query blocks of 64. Query block [256, 320) holds the tail of document 2 (starts at 100, key
+    block 0) and the head of document 3 (starts at 300, key block 2): the blocks it may skip end at the *earliest*
+    start (none here); a bound from the latest start (300) would drop keys 100..255 of document 2. Query blocks
+    from 320 on lie in document 3 alone and skip key blocks 0 and 1."""
+    B, S, K = 1, 400, 20
+    q, k, w = indexer_inputs(B, S, S, seed=5)
+    seg = segments(B, [100, 200, 100])
+    got = jax.jit(lambda *a: index_topk(*a, seg, seg, K, 64, interpret="fast"))(q, k, w)
+    want = jax.jit(lambda *a: ref_indexer.index_topk(*a, seg, seg, K, 64))(q, k, w)
+    ids = want[0][0]
+    assert ((ids[256:300] >= 100) & (ids[256:300] < 256)).any()  # document 2's queries there select early keys
+    assert ((ids[300:] == -1) | (ids[300:] >= 300)).all()
+    assert_topk_equal(got, want)
+
+
 def test_index_topk_ties_are_deterministic_and_lowest_index_first():
     B, S, K = 1, 140, 16
     q, k, w = indexer_inputs(B, S, S, seed=2, dyadic=True)

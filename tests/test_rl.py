@@ -510,6 +510,43 @@ def test_rollout_logprobs_match_the_trainer(small_model):
         assert data["rewards"][b, last] == s.reward and data["rewards"][b].sum() == s.reward
 
 
+def test_target_kl_stops_the_actor_updates_of_a_step(small_model):
+    """The trust-region stop: with target_kl far below the KL one update causes, a PPO step applies exactly one
+    actor update (the first mini-batch is measured at pi_old itself: KL 0) and skips the rest, while the critic
+    trains on every mini-batch; without target_kl all ppo_epochs x minibatches updates run. The skipped updates
+    really are not applied: the stopped learner's weights equal those after a single-update step."""
+    from glmjax.optim.config import default_optim_config
+    from glmjax.rl.ppo import Learner
+
+    task = Arithmetic(0, 9, "+")
+    rng = np.random.default_rng(0)
+    envs = [SingleTurnEnv(task.sample(rng), exact_reward) for _ in range(8)]
+    smp = Sampler(Decoder(small_model, "sparse"), 8, 6, 4)
+    samples = smp.rollout(nnx.state(small_model), envs, [i // 4 for i in range(8)], 0, jax.random.key(1))
+    for s in samples[::3]:  # an untrained model solves nothing: give some samples a reward to learn from
+        s.reward = 1.0
+    optim = {**default_optim_config(name="adamw", lr=1e-3, warmup_steps=0, weight_decay=0.0).to_dict(),
+             "total_steps": 10}
+
+    def step(**ppo):
+        p = default_ppo_config(**{"ppo_epochs": 2, "minibatches": 2, **ppo})
+        learner = Learner(small_model, p, optim, {**optim, "lr": 1e-3})
+        m = learner.update(samples, 0, 8, 10, train_actor=True)
+        return learner, m
+
+    free, m_free = step(target_kl=None)
+    assert m_free["actor_updates"] == 4 and not m_free["kl_stopped"] and m_free["approx_kl_old"] > 1e-6
+    stopped, m_stop = step(target_kl=1e-9)
+    assert m_stop["actor_updates"] == 1 and m_stop["kl_stopped"]
+    equal = lambda a, b: jax.tree.all(jax.tree.map(lambda x, y: np.array_equal(x, y), a, b))  # noqa: E731
+    assert not equal(stopped.params, free.params)
+    # the same first mini-batch (same permutation) in a step of 1 epoch x 2 mini-batches, stopped after it: the
+    # weights are bitwise those of the 2 x 2 step stopped after its first update -- nothing was applied later
+    first, m_first = step(ppo_epochs=1, target_kl=1e-9)
+    assert m_first["actor_updates"] == 1 and equal(stopped.params, first.params)
+    assert equal(stopped.cparams, free.cparams)  # the critic took all four updates, as without the stop
+
+
 # ------------------------------------------------------------------------------------------------ config
 
 def ppo_config(**ppo):

@@ -57,7 +57,7 @@ def default_ppo_config(**overrides) -> ml_collections.ConfigDict:
     c.policy_loss = "ppo_clip"  # ppo_clip | async_two_sided | icepop
     c.clip_low = 0.2
     c.clip_high = 0.28
-    c.dual_clip = placeholder(float)  # c > 1, or None
+    c.dual_clip = ml_collections.FieldReference(3.0, field_type=float)  # c > 1 bounds -rho*A for A < 0; or None
     c.icepop_low = 0.5
     c.icepop_high = 2.0
     c.value_clip = 0.2  # 0 disables value clipping
@@ -71,6 +71,9 @@ def default_ppo_config(**overrides) -> ml_collections.ConfigDict:
     c.data_parallel = 1  # devices the trainer shards each micro-batch over
     c.critic_optim = ml_collections.ConfigDict(dict(lr=1e-3))  # overrides of `optim` for the critic
     c.critic_warmup_steps = 0  # first PPO steps train only the critic
+    # trust region: a PPO step stops updating the actor once the mean approximate KL(pi_old || pi) of a
+    # mini-batch, measured before its update, exceeds this (None = never; the critic keeps training)
+    c.target_kl = ml_collections.FieldReference(0.05, field_type=float)
     c.freeze_indexer = True  # DSA indexer frozen during RL (GLM-5)
     c.logprob_chunk = 512  # sequence chunk of the log-prob / entropy computation (never [B, S, V] at once)
     # ----- initialisation, evaluation, logging
@@ -163,6 +166,7 @@ def validate_ppo_config(config) -> ModelConfig:
     number("dual_clip", allow_none=True)
     if p.dual_clip is not None and not p.dual_clip > 1:
         fail("dual_clip", "must be > 1 (or None)")
+    number("target_kl", 0, low_open=True, allow_none=True)
     number("icepop_low", 0, low_open=True)
     number("icepop_high")
     if not p.icepop_high > p.icepop_low:

@@ -130,27 +130,39 @@ class Learner:
         data = pack_samples(samples, rows, seq_len)
         fwd = {k: data[k] for k in ("tokens", "segment_ids", "positions")}
         data["old_logp"] = forward(fns.logprobs, (self.params, self.rest), fwd, p.micro_batches, place)
-        if p.kl_coef:
-            data["ref_logp"] = forward(fns.logprobs, (self.ref_params, self.rest), fwd, p.micro_batches, place)
+        # the starting policy's log-probs: the KL term's reference, and how far RL has moved the policy (metric)
+        data["ref_logp"] = forward(fns.logprobs, (self.ref_params, self.rest), fwd, p.micro_batches, place)
         m = mismatch_metrics(data, version)
+        m["kl_init"] = kl_init(data)
         m.update(self.advantages(data, fwd))
         keys = ["tokens", "segment_ids", "positions", "old_logp", "rollout_logp", "advantages", "returns",
                 "old_values"] + (["ref_logp"] if p.kl_coef else [])
+        actor_updates, kl_stopped = 0, False
         for _ in range(p.ppo_epochs):
             for idx in np.array_split(self.rng.permutation(rows), p.minibatches):
                 mb = {k: data[k][idx] for k in keys}
                 mb["weights"] = loss_weights(data["mask"][idx], p.loss_agg)
                 if not mb["weights"].any():
                     continue  # nothing to learn from (padding rows only)
-                if train_actor:
+                if train_actor and not kl_stopped:
                     grads, sums = accumulate(fns.actor_grads, (self.params, self.rest), mb, p.micro_batches, place)
-                    self.params, self.actor_state, gnorm = self.apply_actor(self.params, self.actor_state, grads)
-                    m.update({k: float(v) for k, v in sums.items()}, actor_grad_norm=float(gnorm))
+                    sums = {k: float(v) for k, v in sums.items()}
+                    # trust region: this mini-batch's KL(pi_old || pi) at the weights about to be updated; past
+                    # target_kl the actor has moved far enough on this batch (its update is not applied)
+                    if p.target_kl is not None and sums["approx_kl_old"] > p.target_kl:
+                        kl_stopped = True
+                    else:
+                        self.params, self.actor_state, gnorm = self.apply_actor(self.params, self.actor_state, grads)
+                        actor_updates += 1
+                        m["actor_grad_norm"] = float(gnorm)
+                    m.update(sums)
                 if self.use_critic:
                     args = (self.cparams[0], self.crest, self.cparams[1])
                     grads, sums = accumulate(fns.critic_grads, args, mb, p.micro_batches, place)
                     self.cparams, self.critic_state, gnorm = self.apply_critic(self.cparams, self.critic_state, grads)
                     m.update({k: float(v) for k, v in sums.items()}, critic_grad_norm=float(gnorm))
+        if train_actor:
+            m.update(actor_updates=actor_updates, kl_stopped=kl_stopped)
         m["train_tokens"] = float(np.sum(data["segment_ids"] > 0)) * p.ppo_epochs
         return m
 
@@ -169,7 +181,8 @@ class Learner:
         n = max(mask.sum(), 1)
         m = {"explained_variance": float(explained_variance(values, returns, mask)),
              "value_mean": float(np.sum(values * mask) / n), "return_mean": float(np.sum(returns * mask) / n),
-             "adv_mean_raw": float(np.sum(adv * mask) / n)}
+             "adv_mean_raw": float(np.sum(adv * mask) / n),
+             "adv_std_raw": float(np.sqrt(np.sum((adv - np.sum(adv * mask) / n) ** 2 * mask) / n))}
         if p.whiten_advantages:
             adv = np.asarray(masked_whiten(adv, mask))
         data["advantages"], data["returns"], data["old_values"] = adv, returns, values
@@ -350,6 +363,14 @@ def rollout_metrics(batch: RolloutBatch, version: int) -> dict:
             "reward_not_intercepted": float(np.mean(clean)) if clean else None,
             "tool_calls": float(np.mean([s.info.get("tool_calls", 0) for s in batch.samples])),
             "rollout_tokens_per_s": batch.tokens / max(batch.generate_s, 1e-9)}
+
+
+def kl_init(data: dict) -> float:
+    """Mean k3 estimate of KL(pi || pi_start) on the batch's policy tokens (pi: the trainer's weights before this
+    step's updates; pi_start: the policy PPO started from)."""
+    mask = data["mask"]
+    r = data["ref_logp"] - data["old_logp"]
+    return float(np.sum((np.exp(r) - r - 1.0) * mask) / max(mask.sum(), 1.0))
 
 
 def mismatch_metrics(data: dict, version: int) -> dict:
