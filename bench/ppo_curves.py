@@ -41,7 +41,8 @@ def smooth(x, n: int = 5):
 
 
 def plot(runs: dict[int, list[dict]], out: str, title: str):
-    fig, axes = plt.subplots(1, len(PANELS), figsize=(4 * len(PANELS), 3.4))
+    fig, grid = plt.subplots(2, 3, figsize=(13, 7))
+    axes, legend_ax = grid.flat[:len(PANELS)], grid.flat[len(PANELS)]
     for (key, label), ax in zip(PANELS, axes):
         for i, (seed, rows) in enumerate(sorted(runs.items())):
             color = f"C{i}"
@@ -60,8 +61,8 @@ def plot(runs: dict[int, list[dict]], out: str, title: str):
         ax.set_title(label, fontsize=10)
         ax.set_xlabel("PPO step")
         ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=6, ncol=2)
-    axes[0].legend(fontsize=7)
+    legend_ax.axis("off")
+    legend_ax.legend(*axes[1].get_legend_handles_labels(), loc="center", fontsize=9)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(out, dpi=110)

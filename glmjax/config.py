@@ -127,6 +127,8 @@ class ModelConfig:
                 fail(f.name, "must be an integer")
             if f.type == "float" and (not isinstance(v, (int, float)) or isinstance(v, bool)):
                 fail(f.name, "must be a number")
+            if f.type == "float" and not math.isfinite(v):
+                fail(f.name, "must be a finite number")
             if f.type == "bool" and not isinstance(v, bool):
                 fail(f.name, "must be True or False")
         positive = ["vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",

@@ -136,7 +136,7 @@ def test_truncated_newest_checkpoint_is_skipped(reference, tmp_path):
         warnings.simplefilter("always")
         _, meta, step = load_model_state(workdir)
     assert step == STEPS - 2 and meta["step"] == STEPS - 2
-    assert any(f"checkpoints/{STEPS} is unreadable" in str(w.message) for w in caught)
+    assert any(f"checkpoints/{STEPS} is damaged" in str(w.message) for w in caught)
     rc, out = finish(launch(workdir))
     assert rc == 0, out[-3000:]
     assert f"resumed from {os.path.join(workdir, 'checkpoints', str(STEPS - 2))}" in out

@@ -20,9 +20,11 @@ A finite pipeline (eval, or num_epochs set) ends when all of this process's slot
 out earlier contributes all-padding rows. `take(n)` always gives n batches (padding after the end), so every
 process of a multi-process eval runs the same number of steps.
 
-Bad records (undecodable, malformed, empty, longer than data.max_doc_chars) are skipped, counted in `stats` and the
-first few logged. The train / held-out split is by a stable hash of each record's key (file and line / row):
-`eval_fraction` of the documents, at least one of each side.
+Bad records (undecodable, malformed, empty, longer than data.max_doc_chars) are skipped, counted in `stats` once
+each (in the first epoch; later epochs skip them silently) and the first few logged. Unusable files (unreadable,
+wrong format, a missing column, no usable record) raise `DataError` naming the file. The train / held-out split is by a stable hash of each record's key (file and line / row):
+`eval_fraction` of the documents, at least one of each side; if no held-out record is usable, train records move
+over (lowest hash first) until one is, so a bad line never leaves eval empty.
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ import numpy as np
 
 from glmjax.config import ConfigError
 from glmjax.data.packing import Block
-from glmjax.data.sources import FORMATS, SKIP_REASONS, Doc, Fields, Skip, open_source, parse
+from glmjax.data.sources import FORMATS, SKIP_REASONS, DataError, Doc, Fields, Skip, open_source, parse
 from glmjax.data.tokenizer import TOKENIZERS, Tokenizer, make_tokenizer
 
 log = logging.getLogger(__name__)
@@ -156,10 +158,14 @@ class Pipeline:
         self.source = open_source(cfg["path"], cfg["format"], self.fields)
         n = len(self.source) if cfg["max_docs"] is None else min(len(self.source), cfg["max_docs"])
         self.source_name = self.source.name
-        self.indices = split_indices(self.source.key_hashes()[:n], cfg["eval_fraction"], split)
+        hashes = self.source.key_hashes()[:n]
+        held = self._usable_held_out(hashes, split_indices(hashes, cfg["eval_fraction"], "eval"))
+        self.indices = held if split == "eval" else np.setdiff1d(np.arange(n), held)
         if not len(self.indices):
-            raise ValueError(f"data: no {split} documents in {self.source_name!r} ({n} records, "
-                             f"eval_fraction={cfg['eval_fraction']})")
+            empty = [name for name, r in zip(self.source._relnames, self.source.readers) if not len(r)]
+            raise DataError(f"data: no {split} documents in {self.source_name!r} ({n} records, "
+                            f"eval_fraction={cfg['eval_fraction']})"
+                            + (f"; empty files: {', '.join(empty[:5])}" if empty else ""))
         self._check_usable()
         self.num_docs = len(self.indices)
         self.num_tokens = int(self.source.approx_bytes()[self.indices].sum()) + 2 * self.num_docs
@@ -193,6 +199,22 @@ class Pipeline:
         prompt = self.tokenizer.encode(doc.prompt, bos=True, eos=False)
         return np.concatenate([prompt, self.tokenizer.encode(doc.text, bos=False, eos=True)]), len(prompt)
 
+    def _usable(self, i: int) -> bool:
+        return isinstance(parse(*self.source[int(i)], self.fields), Doc)
+
+    def _usable_held_out(self, hashes: np.ndarray, held: np.ndarray) -> np.ndarray:
+        """The held-out records, with train records moved over (lowest key hash first, at least one record left
+        for training) until one of them is usable: a bad line drawn for eval never leaves eval empty. The same
+        for both splits, so they never overlap."""
+        if not len(held) or any(self._usable(i) for i in held):
+            return held
+        taken = set(held.tolist())
+        extra = [int(i) for i in np.argsort(hashes, kind="stable") if int(i) not in taken][:-1]
+        for k, i in enumerate(extra):
+            if self._usable(i):
+                return np.sort(np.concatenate([held, extra[:k + 1]])).astype(held.dtype)
+        return held
+
     def _check_usable(self) -> None:
         """Fail now, not mid-run, when no document of the split is usable (e.g. a wrong text_field): parse in
         order until the first usable one."""
@@ -204,7 +226,7 @@ class Pipeline:
                 return
             reasons[doc.reason] = reasons.get(doc.reason, 0) + 1
             first = first or f"{self.source.key(int(i))}: {doc.detail}"
-        raise ValueError(f"data: none of the {len(self.indices)} {self.split} records of {self.source_name!r} is "
+        raise DataError(f"data: none of the {len(self.indices)} {self.split} records of {self.source_name!r} is "
                          f"usable ({reasons}); first: {first}")
 
     def __iter__(self):
@@ -348,11 +370,12 @@ class PackedBatchIterator(grain.DatasetIterator):
         count them unless this block was counted before the state was saved."""
         docs, n_tokens, k = [], 0, slot.start
         count = not slot.counted
+        fp = self.ds.fingerprint
         while k < slot.size and n_tokens < self.ds.window:
             d = slot.docs[k]
             k += 1
             if isinstance(d, Skip):
-                if count:
+                if count and slot.index + (k - 1) * fp["batch_size"] < fp["num_docs"]:  # first epoch: once each
                     self.stats["skipped"] += 1
                     self.stats[f"skipped_{d.reason}"] += 1
                     if self._logged < LOGGED_SKIPS:
@@ -376,7 +399,7 @@ class PackedBatchIterator(grain.DatasetIterator):
         want, got = self.ds.fingerprint, state.get("fingerprint", {})
         diff = [k for k in want if want[k] != got.get(k)]
         if diff:
-            raise ValueError("data: the saved iterator state belongs to a different pipeline: "
+            raise ConfigError("data: the saved iterator state belongs to a different pipeline: "
                              + ", ".join(f"{k} saved {got.get(k)!r} != now {want[k]!r}" for k in diff))
         for s, (start, row, counted) in zip(self.slots, state["slots"]):
             s.start, s.row, s.counted, s.block = int(start), int(row), bool(counted), None

@@ -53,6 +53,11 @@ class Doc(NamedTuple):
     text: str  # the document (pretraining) or the response (SFT)
 
 
+class DataError(ValueError):
+    """A data file that cannot be used (unreadable, wrong format, missing column, no usable records): the message
+    names the file and the problem."""
+
+
 class Skip(NamedTuple):
     reason: str  # one of SKIP_REASONS
     detail: str
@@ -122,7 +127,8 @@ class ParquetFile:
         names = self.file.schema_arrow.names
         missing = [c for c in columns if c not in names]
         if missing:
-            raise ValueError(f"parquet file {path!r} has no column(s) {missing} (columns: {names})")
+            raise DataError(f"parquet file {path!r} has no column(s) {missing} (columns: {names}); set "
+                            "data.text_field (or prompt_field / response_field) to one of its columns")
         md = self.file.metadata
         counts = [md.row_group(g).num_rows for g in range(md.num_row_groups)]
         per_row = [md.row_group(g).total_byte_size / max(n, 1) for g, n in enumerate(counts)]
@@ -238,18 +244,29 @@ def open_source(path: str | None, fmt: str = "auto", fields: Fields = Fields()) 
     readers = []
     for name, p in files:
         kind = file_format(p, fmt)
-        if kind == "text":
-            r = TextFile(p)
-        elif kind == "jsonl":
-            r = JsonlFile(p)
-        elif kind == "parquet":
-            r = ParquetFile(p, columns)
-        elif kind in ("arrayrecord", "arrayrecord_json"):
-            r = ArrayRecordFile(p, "json" if kind == "arrayrecord_json" else "text")
-        else:
+        if kind not in FORMATS[1:]:
             raise ValueError(f"unknown data format {fmt!r} (known: {FORMATS})")
-        readers.append((name, r))
+        readers.append((name, open_reader(p, kind, columns)))
     return Source(path, readers)
+
+
+def open_reader(p: str, kind: str, columns: tuple[str, ...]):
+    """One file's reader; any failure to open it -> DataError naming the file."""
+    if os.path.islink(p) and not os.path.exists(p):
+        raise DataError(f"data file {p!r} is a dangling symlink (its target {os.readlink(p)!r} does not exist)")
+    try:
+        if kind == "text":
+            return TextFile(p)
+        if kind == "jsonl":
+            return JsonlFile(p)
+        if kind == "parquet":
+            return ParquetFile(p, columns)
+        return ArrayRecordFile(p, "json" if kind == "arrayrecord_json" else "text")
+    except DataError:
+        raise
+    except Exception as e:  # noqa: BLE001 -- OSError, pyarrow's ArrowInvalid, grain's errors ...
+        raise DataError(f"data file {p!r} cannot be read as {kind} ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0][:200] if str(e) else ''})") from e
 
 
 # ------------------------------------------------------------------------------------------------ parsing

@@ -1,68 +1,245 @@
 """Orbax checkpoints of a training run: model state (the nnx state as a plain nested dict of arrays), optimizer
-state, data-iterator state and run metadata (step, stage, model config).
+state, data-iterator state and run metadata (step, stage, model config, the run's config fingerprint).
 
-workdir/checkpoints/<step>/{model, opt_state, data, meta}. Saves are asynchronous (training continues while
-the previous step's arrays are written) and atomic (orbax writes into a temporary directory and commits it by
-rename), so a crash mid-save leaves the previous checkpoints intact. Restoring walks the steps from the newest
-down and skips any it cannot read (truncated or corrupt files), with a warning.
+workdir/checkpoints/<step>/{model, opt_state, data, meta, manifest.json}. Saves are asynchronous (training
+continues while the previous step's arrays are written) and atomic (orbax writes into a temporary directory and
+commits it by rename), so a crash mid-save leaves the previous checkpoints intact. Once orbax has committed a step,
+`manifest.json` (size and CRC-32 of every file of the step, the data-iterator state included) is written next to
+it, atomically (temporary file + rename).
+
+Restoring walks the steps from the newest down. A step is *damaged* when a file differs from its manifest or
+cannot be read; damaged steps newer than the one restored are moved to workdir/corrupt_checkpoints/ (kept for
+inspection) so the run can write those steps again. Nothing else is ever moved: a `check_meta` callback sees each
+step's metadata before its arrays are read and may refuse it (a changed config), which stops the restore with
+that error. When every step is damaged, `CheckpointError` is raised and all of them stay where they are.
+A step without a manifest (written before manifests existed, or the run was killed between orbax's commit and
+the manifest) is read without checksum verification, with a warning.
 """
 from __future__ import annotations
 
+import json
+import logging
 import os
 import shutil
+import sys
 import time
 import warnings
+import zlib
 
 import jax
 import orbax.checkpoint as ocp
 
 ITEMS = ("model", "opt_state", "data", "meta")
+MANIFEST = "manifest.json"
+
+
+class CheckpointError(RuntimeError):
+    """No usable checkpoint where one is needed; the message names the checkpoints and what is wrong with each."""
+
+
+def file_crc32(path: str) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def step_files(step_dir: str) -> list[str]:
+    """Relative paths of the files of a step directory (the manifest excluded), sorted."""
+    out = []
+    for root, _, files in os.walk(step_dir):
+        out += [os.path.relpath(os.path.join(root, f), step_dir) for f in files]
+    return sorted(p for p in out if p != MANIFEST and not p.startswith(MANIFEST + "."))
+
+
+def write_manifest(step_dir: str) -> None:
+    files = {p: {"size": os.path.getsize(os.path.join(step_dir, p)), "crc32": file_crc32(os.path.join(step_dir, p))}
+             for p in step_files(step_dir)}
+    tmp = os.path.join(step_dir, f"{MANIFEST}.tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump({"version": 1, "checksum": "crc32", "files": files}, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(step_dir, MANIFEST))
+
+
+def verify_manifest(step_dir: str) -> str | None:
+    """None if every file of the step matches its manifest, else what is wrong (naming the file). A step without
+    a manifest -> "unsealed" (the caller decides)."""
+    path = os.path.join(step_dir, MANIFEST)
+    if not os.path.exists(path):
+        return "unsealed"
+    try:
+        with open(path) as f:
+            files = json.load(f)["files"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{MANIFEST} is unreadable ({type(e).__name__}: {e})"
+    for rel, want in sorted(files.items()):
+        p = os.path.join(step_dir, rel)
+        if not os.path.exists(p):
+            return f"file {rel} is missing"
+        if os.path.getsize(p) != want["size"]:
+            return f"file {rel} has {os.path.getsize(p)} bytes, the manifest says {want['size']}"
+        if file_crc32(p) != want["crc32"]:
+            return f"file {rel} fails its checksum (CRC-32 differs from the manifest)"
+    extra = sorted(set(step_files(step_dir)) - set(files))
+    return f"file {extra[0]} is not in the manifest" if extra else None
+
+
+def intact_steps(directory: str) -> list[int]:
+    """Steps below a checkpoints directory whose files all match their manifest, sorted."""
+    steps = sorted(int(n) for n in os.listdir(directory) if n.isdigit()) if os.path.isdir(directory) else []
+    return [s for s in steps if verify_manifest(os.path.join(directory, str(s))) is None]
+
+
+class _OrbaxNoise(logging.Filter):
+    """Silences the failure reports orbax and tensorstore print while a save or restore fails, and counts them.
+
+    When one array of an orbax read or write fails (a damaged file, a full disk), orbax closes its asyncio loop and
+    re-raises; tensorstore's completion callbacks of the other arrays then call `loop.call_soon_threadsafe` on the
+    closed loop and print a "RuntimeError: Event loop is closed" traceback each (sys.unraisablehook, one per
+    array: hundreds), and orbax logs the failure with its traceback at ERROR. The failure itself still reaches the
+    caller as an exception (named in one warning for a damaged step, in one line for a full disk), so these
+    copies are dropped (counted in `count`)."""
+
+    count = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        orbax = f"{os.sep}orbax{os.sep}" in (record.pathname or "")
+        orphan = record.name == "asyncio" and "exception was never retrieved" in str(record.msg)  # asyncio: its failed sibling writes
+        if record.levelno < logging.CRITICAL and (orbax or orphan):
+            _OrbaxNoise.count += 1
+            return False
+        return True
+
+
+def _closed_loop_hook(previous):
+    def hook(kind, value, tb):
+        if kind is RuntimeError and str(value) == "Event loop is closed":
+            _OrbaxNoise.count += 1
+            return
+        previous(kind, value, tb)
+    hook.glmjax_quiet = True
+    return hook
+
+
+def _closed_loop_unraisable(previous):
+    def hook(unraisable):
+        if isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed":
+            _OrbaxNoise.count += 1
+            return
+        previous(unraisable)
+    hook.glmjax_quiet = True
+    return hook
+
+
+def _quiet_orbax() -> None:
+    if not getattr(sys.excepthook, "glmjax_quiet", False):
+        sys.excepthook = _closed_loop_hook(sys.excepthook)
+    if not getattr(sys.unraisablehook, "glmjax_quiet", False):  # tensorstore reports callback errors as unraisable
+        sys.unraisablehook = _closed_loop_unraisable(sys.unraisablehook)
+    for logger in (logging.getLogger("absl"), logging.getLogger("asyncio")):
+        if not any(isinstance(f, _OrbaxNoise) for f in logger.filters):
+            logger.addFilter(_OrbaxNoise())
+
+
+def _short(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
 
 
 class Checkpoints:
     def __init__(self, workdir: str, keep: int = 3, async_save: bool = True):
         self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=True)
+        _quiet_orbax()
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
+        self._unsealed: list[int] = []
 
     def save(self, step: int, model_state, opt_state, data_state: dict, meta: dict) -> None:
         self.manager.save(step, force=True, args=ocp.args.Composite(
             model=ocp.args.StandardSave(model_state), opt_state=ocp.args.StandardSave(opt_state),
             data=ocp.args.JsonSave(data_state), meta=ocp.args.JsonSave(meta)))
+        self._unsealed.append(step)
+        self._seal(pending_ok=True)
+
+    def _seal(self, pending_ok: bool = False) -> None:
+        """Write the manifest of every step this process saved whose files orbax has committed."""
+        if pending_ok and self._unsealed and self.manager.is_saving_in_progress():
+            steps, self._unsealed = self._unsealed[:-1], self._unsealed[-1:]  # the last is still being written
+        else:
+            steps, self._unsealed = self._unsealed, []
+        existing = set(self.manager.all_steps())
+        for step in steps:
+            if step in existing and jax.process_index() == 0:
+                write_manifest(self.step_dir(step))
 
     def wait(self) -> None:
         self.manager.wait_until_finished()
+        self._seal()
 
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
 
-    def restore_latest(self, model_state, opt_state):
-        """Newest readable checkpoint -> (step, model_state, opt_state, data_state, meta), or None if there is none.
+    def step_dir(self, step: int) -> str:
+        return os.path.join(self.directory, str(step))
+
+    def restore_latest(self, model_state, opt_state, check_meta=None):
+        """Newest intact checkpoint -> (step, model_state, opt_state, data_state, meta), or None if there is none.
         model_state / opt_state: templates (arrays or jax.ShapeDtypeStruct) giving structure, dtypes, shardings.
-        Unreadable newer checkpoints are moved to workdir/corrupt_checkpoints/ (kept for inspection), so the
-        resumed run can write those steps again."""
+        check_meta(meta, step): called before a step's arrays are read; raise to refuse the run's checkpoints
+        (the error propagates, nothing is moved). Raises CheckpointError when checkpoints exist but all are
+        damaged."""
+        damaged = []
         for step in reversed(self.steps()):
-            try:
-                r = self.manager.restore(step, args=ocp.args.Composite(
-                    model=ocp.args.StandardRestore(_abstract(model_state)),
-                    opt_state=ocp.args.StandardRestore(_abstract(opt_state)),
-                    data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore()))
-                return step, r.model, r.opt_state, r.data, r.meta
-            except Exception as e:  # noqa: BLE001 -- any unreadable checkpoint is skipped, never fatal
-                warnings.warn(f"checkpoint {self.directory}/{step} is unreadable and was skipped: "
-                              f"{type(e).__name__}: {str(e)[:300]}", stacklevel=2)
-                self._set_aside(step)
+            problem = verify_manifest(self.step_dir(step))
+            if problem == "unsealed":
+                warnings.warn(f"checkpoint {self.step_dir(step)} has no {MANIFEST} (the run stopped before writing "
+                              "it, or an older glmjax wrote the step): read without checksum verification",
+                              stacklevel=2)
+                problem = None
+            if problem is None:
+                try:
+                    meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+                except Exception as e:  # noqa: BLE001 -- an unreadable step is damaged, never fatal by itself
+                    problem = f"meta unreadable ({_short(e)})"
+            if problem is None:
+                if check_meta is not None:
+                    check_meta(meta, step)
+                try:
+                    r = self.manager.restore(step, args=ocp.args.Composite(
+                        model=ocp.args.StandardRestore(_abstract(model_state)),
+                        opt_state=ocp.args.StandardRestore(_abstract(opt_state)),
+                        data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore()))
+                except Exception as e:  # noqa: BLE001
+                    problem = f"unreadable ({_short(e)})"
+            if problem is not None:
+                _OrbaxNoise.count = 0  # the reports of this read error: it is named in the warning below
+                warnings.warn(f"checkpoint {self.step_dir(step)} is damaged: {problem}", stacklevel=2)
+                damaged.append((step, problem))
+                continue
+            for bad, _ in damaged:
+                self._set_aside(bad)
+            return step, r.model, r.opt_state, r.data, r.meta
+        if damaged:
+            raise CheckpointError(
+                f"all {len(damaged)} checkpoints in {self.directory} are damaged (left in place): "
+                + "; ".join(f"step {s}: {p}" for s, p in damaged)
+                + ". Nothing was resumed. Restore them from a backup, or start over in a new --workdir")
         return None
 
     def _set_aside(self, step: int) -> None:
         if jax.process_index() == 0:
             aside = os.path.join(os.path.dirname(self.directory), "corrupt_checkpoints")
             os.makedirs(aside, exist_ok=True)
-            shutil.move(os.path.join(self.directory, str(step)), os.path.join(aside, f"{step}.{time.time():.0f}"))
+            target = os.path.join(aside, f"{step}.{time.time():.0f}")
+            shutil.move(self.step_dir(step), target)
+            warnings.warn(f"checkpoint step {step} moved to {target}", stacklevel=3)
         self.manager.reload()
 
     def close(self) -> None:
         self.manager.wait_until_finished()
+        self._seal()
         self.manager.close()
 
 
@@ -71,20 +248,26 @@ def _abstract(tree):
 
 
 def load_model_state(workdir: str) -> tuple[dict, dict, int]:
-    """The model state (nested dict of arrays) and meta of the newest readable checkpoint of a finished or running
-    stage, for initialising the next stage. -> (state, meta, step)."""
+    """The model state (nested dict of arrays) and meta of the newest intact checkpoint of a finished or running
+    stage, for initialising the next stage. -> (state, meta, step). Damaged steps are skipped (not moved)."""
     directory = os.path.join(os.path.abspath(workdir), "checkpoints")
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"init_from={workdir!r}: no checkpoints directory {directory}")
     manager = ocp.CheckpointManager(directory, item_names=("model", "meta"))
+    problems = []
     try:
         for step in sorted(manager.all_steps(), reverse=True):
-            try:
-                r = manager.restore(step, args=ocp.args.Composite(model=ocp.args.StandardRestore(),
-                                                                  meta=ocp.args.JsonRestore()))
-                return r.model, r.meta, step
-            except Exception as e:  # noqa: BLE001
-                warnings.warn(f"checkpoint {directory}/{step} is unreadable and was skipped: {e}", stacklevel=2)
+            problem = verify_manifest(os.path.join(directory, str(step)))
+            if problem in (None, "unsealed"):
+                try:
+                    r = manager.restore(step, args=ocp.args.Composite(model=ocp.args.StandardRestore(),
+                                                                      meta=ocp.args.JsonRestore()))
+                    return r.model, r.meta, step
+                except Exception as e:  # noqa: BLE001
+                    problem = f"unreadable ({_short(e)})"
+            warnings.warn(f"checkpoint {directory}/{step} is damaged and was skipped: {problem}", stacklevel=2)
+            problems.append(f"step {step}: {problem}")
     finally:
         manager.close()
-    raise FileNotFoundError(f"init_from={workdir!r}: no readable checkpoint in {directory}")
+    raise FileNotFoundError(f"init_from={workdir!r}: no intact checkpoint in {directory}"
+                            + (f" ({'; '.join(problems)})" if problems else ""))

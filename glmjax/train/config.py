@@ -10,9 +10,12 @@ Top level of an experiment config (besides `model`, `optim`, `data`, `train`):
 """
 from __future__ import annotations
 
+import math
+
 import ml_collections
 
 from glmjax.config import ConfigError
+from glmjax.train.resume import ON_CONFIG_CHANGE
 
 MODES = ("dense", "sparse")
 NAN_POLICIES = ("skip", "stop")
@@ -36,6 +39,9 @@ def default_train_config(**overrides) -> ml_collections.ConfigDict:
     c.nan_policy = "skip"  # non-finite loss/grad: "skip" the update (counted) or "stop" the run with diagnostics
     c.inject_nan_at_step = ml_collections.config_dict.placeholder(int)  # tests: make this step's loss NaN
     c.tensorboard = True  # also write TensorBoard event files to workdir/tb
+    # resuming a workdir whose checkpoints were written with another config: "error" (stop, list the fields),
+    # "fresh" (archive the old run, start at step 0) or "weights" (archive it, start from its weights); see resume.py
+    c.on_config_change = "error"
     c.update(overrides)
     return c
 
@@ -51,16 +57,27 @@ def validate_train_config(t, model_cfg) -> None:
     for name in ("eval_every", "eval_batches"):
         if not isinstance(t[name], int) or t[name] < 0:
             fail(name, "must be an integer >= 0")
-    if t.bias_update_rate < 0:
-        fail("bias_update_rate", "must be >= 0")
+    if isinstance(t.seed, bool) or not isinstance(t.seed, int) or not 0 <= t.seed < 2 ** 32:
+        fail("seed", "must be an integer in [0, 2**32)")
+    for name in ("bias_update_rate", "index_loss_weight"):
+        v = t[name]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            fail(name, "must be a finite number >= 0")
     if t.mode not in MODES:
         fail("mode", f"must be one of {MODES}")
-    if not t.index_loss_weight >= 0:
-        fail("index_loss_weight", "must be >= 0")
     if t.nan_policy not in NAN_POLICIES:
         fail("nan_policy", f"must be one of {NAN_POLICIES}")
+    if t.on_config_change not in ON_CONFIG_CHANGE:
+        fail("on_config_change", f"must be one of {ON_CONFIG_CHANGE}")
     if t.seq_len > model_cfg.max_position_embeddings:
         fail("seq_len", f"must be <= model.max_position_embeddings={model_cfg.max_position_embeddings}")
+    if t.seq_len < 2:
+        fail("seq_len", "must be >= 2 (the LM loss predicts the next token)")
+    if model_cfg.has_mtp and t.seq_len <= model_cfg.mtp_depth:
+        fail("seq_len", f"must be > model.mtp_depth={model_cfg.mtp_depth} (MTP depth k predicts k+1 tokens ahead)")
+    if model_cfg.index_topk > t.seq_len:
+        raise ConfigError(f"model.index_topk={model_cfg.index_topk}: must be <= train.seq_len={t.seq_len} (the "
+                          "indexer selects top-k keys of one sequence)")
 
 
 def experiment_fields(c: ml_collections.ConfigDict, stage: str = "pretrain", recipe=(), stages=None):

@@ -12,6 +12,7 @@ its checkpoint), tb/ (TensorBoard), checkpoints/, summary.json (written when the
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -30,7 +31,8 @@ from glmjax.flops import flops_per_token
 from glmjax.interop.keymap import model_config_json
 from glmjax.model.transformer import GLM, Batch
 from glmjax.optim import validate_optim_config
-from glmjax.train.checkpoint import Checkpoints, load_model_state
+from glmjax.train.checkpoint import Checkpoints, intact_steps, load_model_state
+from glmjax.train.resume import ConfigMismatch, archive_run, check_resume, config_diff, fingerprint
 from glmjax.train.config import stage_config, validate_recipe, validate_stage, validate_train_config
 from glmjax.parallel import (batch_sharding, create_sharded, global_batch, init_opt_state, initialize_distributed,
                              make_mesh, num_batch_shards, process_rows, shardings_of)
@@ -102,9 +104,41 @@ def check_config(config, init_exists: bool = True):
     validate_train_config(config.train, cfg)
     validate_stage(config, cfg)
     validate_optim_config({**config.optim.to_dict(), "total_steps": config.train.steps})
-    if init_exists and config.init_from and not os.path.exists(config.init_from):
-        raise ConfigError(f"init_from={config.init_from!r}: no such directory")
+    if init_exists and config.init_from:
+        if not os.path.exists(config.init_from):
+            raise ConfigError(f"init_from={config.init_from!r}: no such directory")
+        if not any(os.path.exists(os.path.join(config.init_from, n)) for n in INIT_MARKERS):
+            raise ConfigError(f"init_from={config.init_from!r}: neither a stage workdir (checkpoints/), an imported "
+                              "checkpoint (model_config.json) nor a Hugging Face checkpoint (config.json)")
     return cfg, data_cfg, stage
+
+
+INIT_MARKERS = ("checkpoints", "model_config.json", "config.json")
+
+
+def prepare_workdir(workdir: str, config) -> dict | None:
+    """Create workdir and check it is writable -> the finished stage's summary if summary.json exists (and the
+    config matches the one it finished with), else None (config.json written)."""
+    try:
+        os.makedirs(workdir, exist_ok=True)
+        done = os.path.join(workdir, "summary.json")
+        if os.path.exists(done):
+            saved = os.path.join(workdir, "config.json")
+            diff = config_diff(fingerprint(json.load(open(saved))), fingerprint(config)) \
+                if os.path.exists(saved) else []
+            if not diff or config.train.on_config_change == "error":
+                if diff:
+                    raise ConfigMismatch(f"workdir {workdir}: the stage finished with a different config "
+                                         f"({'; '.join(diff)}). Use a new --workdir, or add "
+                                         "--config.train.on_config_change=fresh or =weights to start over here")
+                print(f"stage {config.stage}: already complete ({done})")
+                with open(done) as f:
+                    return json.load(f)
+        with open(os.path.join(workdir, "config.json"), "w") as f:
+            f.write(config.to_json(indent=2))
+    except OSError as e:
+        raise ConfigError(f"workdir={workdir!r}: cannot be used as the output directory ({e.strerror or e})") from e
+    return None
 
 
 def train(config, workdir: str, progress: bool = True) -> dict:
@@ -113,20 +147,16 @@ def train(config, workdir: str, progress: bool = True) -> dict:
     t = config.train
     cfg, data_cfg, stage = check_config(config)
     mode = stage.mode or t.mode
-    os.makedirs(workdir, exist_ok=True)
+    finished = prepare_workdir(workdir, config)
+    if finished is not None:
+        return finished
     done = os.path.join(workdir, "summary.json")
-    if os.path.exists(done):
-        print(f"stage {config.stage}: already complete ({done})")
-        with open(done) as f:
-            return json.load(f)
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-        f.write(config.to_json(indent=2))
 
     mesh = make_mesh(config.parallel if "parallel" in config else None)
     pid, nproc = jax.process_index(), jax.process_count()
-    rows = process_rows(batch_sharding(mesh), t.batch_size)
     share = t.batch_size // nproc
-    if t.batch_size % num_batch_shards(mesh) or not np.array_equal(rows, np.arange(pid * share, (pid + 1) * share)):
+    if t.batch_size % num_batch_shards(mesh) or t.batch_size % nproc or not np.array_equal(
+            process_rows(batch_sharding(mesh), t.batch_size), np.arange(pid * share, (pid + 1) * share)):
         raise ConfigError(f"train.batch_size={t.batch_size}: must split evenly over the mesh's "
                           f"{num_batch_shards(mesh)} batch shards ({dict(mesh.shape)}) and the {nproc} processes")
     data = make_pipeline(data_cfg, t.seq_len, t.batch_size, t.seed, "train", pid, nproc)
@@ -142,15 +172,7 @@ def train(config, workdir: str, progress: bool = True) -> dict:
 
     trainable = TRAINABLE[stage.trainable]
     graphdef, params, rest = create_sharded(lambda: GLM(cfg, nnx.Rngs(t.seed)), mesh, trainable, ...)
-    ckpt = Checkpoints(workdir, t.keep_checkpoints, t.async_checkpoints)
-    if config.init_from and not ckpt.steps():
-        shardings = (shardings_of(params), shardings_of(rest))  # before surgery writes host arrays into them
-        model = nnx.merge(graphdef, params, rest)
-        for line in init_model(model, config.init_from):
-            print(f"init_from {config.init_from}: {line}")
-        _, new_params, new_rest = nnx.split(model, trainable, ...)
-        params, rest = jax.device_put((new_params, new_rest), shardings)
-        del model
+    shardings = (shardings_of(params), shardings_of(rest))  # before surgery writes host arrays into them
     n_train, n_all = count_params(params), count_params(nnx.merge_state(params, rest).filter(nnx.Param))
     print(f"stage {config.stage}: attention {mode}, trains {stage.trainable} ({n_train:,} of {n_all:,} params); "
           f"{t.batch_size}x{t.seq_len} tokens/step, {t.steps} steps")
@@ -158,8 +180,32 @@ def train(config, workdir: str, progress: bool = True) -> dict:
     print(groups)
     opt_state = init_opt_state(tx, params, mesh)
 
-    start_step, it = 0, iter(data)
-    restored = ckpt.restore_latest(nnx.merge_state(params, rest).to_pure_dict(), opt_state)
+    start_step, it, init_path = 0, iter(data), config.init_from
+    run_fp = fingerprint(config)
+    ckpt = Checkpoints(workdir, t.keep_checkpoints, t.async_checkpoints)
+    try:
+        restored = ckpt.restore_latest(nnx.merge_state(params, rest).to_pure_dict(), opt_state,
+                                       lambda meta, step: check_resume(meta, step, run_fp, ckpt.directory))
+    except ConfigMismatch as e:
+        ckpt.close()
+        if t.on_config_change == "error":
+            raise
+        old = archive_run(workdir)
+        print(f"train.on_config_change={t.on_config_change!r}: {e}\n-> the old run was moved to {old}; starting "
+              f"at step 0" + (" from its model weights" if t.on_config_change == "weights" else ""))
+        if t.on_config_change == "weights":
+            init_path = old
+        restored, ckpt = None, Checkpoints(workdir, t.keep_checkpoints, t.async_checkpoints)
+    except BaseException:
+        ckpt.close()
+        raise
+    if not restored and init_path:
+        model = nnx.merge(graphdef, params, rest)
+        for line in init_model(model, init_path):
+            print(f"init_from {init_path}: {line}")
+        _, new_params, new_rest = nnx.split(model, trainable, ...)
+        params, rest = jax.device_put((new_params, new_rest), shardings)
+        del model
     if restored:
         start_step, model_state, opt_state, data_state, meta = restored
         state = nnx.merge_state(params, rest)
@@ -180,7 +226,7 @@ def train(config, workdir: str, progress: bool = True) -> dict:
     peak = peak * mesh.size if peak else None
 
     def save(step):
-        meta = {"step": step, "stage": config.stage, "model": model_config_json(cfg)}
+        meta = {"step": step, "stage": config.stage, "model": model_config_json(cfg), "fingerprint": run_fp}
         ckpt.save(step, nnx.merge_state(params, rest).to_pure_dict(), opt_state,
                   {"processes": all_processes(it.get_state())}, meta)
 
@@ -194,7 +240,7 @@ def train(config, workdir: str, progress: bool = True) -> dict:
     summary: dict = {"stage": config.stage, "params": n_all, "trainable_params": n_train, "start_step": start_step,
                      "setup_s": time.perf_counter() - t0, "skipped_steps": 0}
     window_t, window_tokens, timed_tokens, timed_s = time.perf_counter(), 0, 0, 0.0
-    step = start_step
+    step, failure = start_step, None
     try:
         with open(os.path.join(workdir, "metrics.jsonl") if pid == 0 else os.devnull, "a") as out, \
                 tqdm(total=t.steps, initial=start_step, disable=not progress or pid != 0, dynamic_ncols=True,
@@ -250,20 +296,37 @@ def train(config, workdir: str, progress: bool = True) -> dict:
                     window_t += time.perf_counter() - e0  # eval time is not training throughput
                 if step % t.checkpoint_every == 0 or step == t.steps:
                     save(step)
-                if stop["signal"]:
+                if stop["signal"] and step < t.steps:  # at the last step the stage is complete
                     if step % t.checkpoint_every and step != t.steps:
                         save(step)
                     bar.write(f"{stop['signal']}: checkpoint written at step {step}; stopping")
                     summary["interrupted"] = stop["signal"]
                     break
+    except Exception as e:  # noqa: BLE001 -- re-raised below, after the checkpoints are closed
+        failure = e
     finally:
-        ckpt.close()
+        try:
+            ckpt.close()
+        except Exception as e:  # noqa: BLE001 -- an asynchronous save that failed reports here
+            failure = failure or e
         if writer:
             writer.close()
         for s, h in old_handlers.items():
             signal.signal(s, h)
+    if failure is not None:
+        if disk_full(failure):
+            good = intact_steps(ckpt.directory)
+            raise DiskFull(f"no space left on the device of {workdir} at step {step}; the last intact checkpoint "
+                           f"is " + (f"step {good[-1]} ({ckpt.step_dir(good[-1])})" if good else "none")
+                           + ". Free space and rerun the same command to resume") from failure
+        raise failure
     summary["step"] = step
-    summary["tokens_per_s"] = timed_tokens / timed_s if timed_s else float("nan")
+    summary["tokens_per_s"] = timed_tokens / timed_s if timed_s else None  # None: no timed step (resumed at the end)
+    if not summary.get("interrupted"):
+        if "last_loss" not in summary:  # resumed at the last checkpoint: nothing trained in this process
+            summary["last_loss"] = last_logged_loss(os.path.join(workdir, "metrics.jsonl"), step)
+        if eval_set and "eval_loss" not in summary:
+            summary.update(evaluate(eval_step, params, rest, [global_rows(b) for b in eval_set]))
     summary["data"] = data.stats
     summary["wall_s"] = time.perf_counter() - t0
     if not summary.get("interrupted") and pid == 0:
@@ -272,6 +335,36 @@ def train(config, workdir: str, progress: bool = True) -> dict:
     print("done: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()
                                if not isinstance(v, dict)))
     return summary
+
+
+class DiskFull(RuntimeError):
+    """The disk filled up: the run stopped; the message names the last intact checkpoint."""
+
+
+def disk_full(e: BaseException | None) -> bool:
+    """Whether `e` or an exception it was raised from is ENOSPC (orbax wraps the errors of asynchronous saves)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "No space left on device" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def last_logged_loss(path: str, step: int) -> float | None:
+    """The loss logged for the newest step <= `step` in metrics.jsonl (None if there is none)."""
+    best = (0, None)
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                try:
+                    r = json.loads(line)
+                except ValueError:
+                    continue
+                if "loss" in r and best[0] <= r["step"] <= step:
+                    best = (r["step"], r["loss"])
+    return best[1]
 
 
 def all_processes(state: dict) -> list[dict]:

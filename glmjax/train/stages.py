@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 from flax import traverse_util
 
-from glmjax.config import ModelConfig
+from glmjax.config import ConfigError, ModelConfig
 from glmjax.model.transformer import plan_stacks
 
 
@@ -111,7 +111,7 @@ def surgery(model, source: dict, source_cfg: ModelConfig) -> list[str]:
 def _checked(x, shape, name):
     x = np.asarray(x)
     if x.shape != tuple(shape):
-        raise ValueError(f"init checkpoint tensor {'.'.join(name)} has shape {x.shape}, this model needs {shape}")
+        raise ConfigError(f"init checkpoint tensor {'.'.join(name)} has shape {x.shape}, this model needs {shape}")
     return x
 
 
