@@ -32,6 +32,9 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from glmjax.train.loop import loss_records  # noqa: E402
 
 
 def flags(steps: int, every: int) -> list[str]:
@@ -52,20 +55,8 @@ def launch(workdir: str, args) -> subprocess.Popen:
 
 
 def records(workdir: str) -> tuple[list[tuple[int, float]], int]:
-    """(step, loss) of every loss record of metrics.jsonl, in file order, and the number of unreadable lines."""
-    path = os.path.join(workdir, "metrics.jsonl")
-    out, bad = [], 0
-    if os.path.exists(path):
-        with open(path) as f:
-            for line in f:
-                try:
-                    r = json.loads(line)
-                except ValueError:
-                    bad += 1
-                    continue
-                if "loss" in r:
-                    out.append((r["step"], r["loss"]))
-    return out, bad
+    """(step, loss) of every loss record of the workdir's metrics.jsonl, and the number of unreadable lines."""
+    return loss_records(os.path.join(workdir, "metrics.jsonl"))
 
 
 def last_log(workdir: str) -> str:

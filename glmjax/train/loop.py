@@ -352,18 +352,28 @@ def disk_full(e: BaseException | None) -> bool:
     return False
 
 
-def last_logged_loss(path: str, step: int) -> float | None:
-    """The loss logged for the newest step <= `step` in metrics.jsonl (None if there is none)."""
-    best = (0, None)
+def loss_records(path: str) -> tuple[list[tuple[int, float]], int]:
+    """(step, loss) of every loss record of a metrics.jsonl, in file order, and the number of unreadable lines."""
+    out, bad = [], 0
     if os.path.exists(path):
         with open(path) as f:
             for line in f:
                 try:
                     r = json.loads(line)
                 except ValueError:
+                    bad += 1
                     continue
-                if "loss" in r and best[0] <= r["step"] <= step:
-                    best = (r["step"], r["loss"])
+                if "loss" in r:
+                    out.append((r["step"], r["loss"]))
+    return out, bad
+
+
+def last_logged_loss(path: str, step: int) -> float | None:
+    """The loss logged for the newest step <= `step` in metrics.jsonl (None if there is none)."""
+    best = (0, None)
+    for s, loss in loss_records(path)[0]:
+        if best[0] <= s <= step:
+            best = (s, loss)
     return best[1]
 
 
