@@ -5,7 +5,8 @@ positions restart at 0 for each document, and the unused tail is padding (PAD to
 A document longer than S is cut into S-token pieces; each piece is its own document (positions from 0).
 Packing is greedy (next fit): a piece that does not fit in the current row closes it and starts the next one.
 loss_mask[t] = 1 where token t is a training target, i.e. may be predicted from the tokens before it in its
-segment: every token but the first of its segment, and for SFT documents only response tokens (and the closing EOS).
+segment: every token but the first of its segment, and for SFT documents only response tokens (and the closing EOS),
+for conversations only the tokens their own mask marks (assistant tokens, chat.py).
 
 `Block` is what the grain pipeline (pipeline.py) uses.
 """
@@ -33,13 +34,14 @@ def next_fit(lengths: Sequence[int], capacity: int) -> np.ndarray:
 class Block:
     """Documents cut into S-token pieces, the pieces optionally shuffled, packed next-fit into rows.
 
-    docs: [(tokens int32 [n], response_start)]: tokens before response_start are never targets (0 = all may be).
+    docs: [(tokens int32 [n], targets)]: targets is an int response_start (tokens before it are never targets; 0 = all
+    may be) or a bool [n] array of the tokens that may be targets. Further tuple items are ignored.
     Only the plan is kept (piece -> document, offset, length); `fill(j, ...)` writes row j on demand.
     """
 
     def __init__(self, docs: Sequence[tuple[np.ndarray, int]], seq_len: int, rng: np.random.Generator | None = None):
         self.docs, self.seq_len = docs, seq_len
-        lens = np.array([len(t) for t, _ in docs], np.int64)
+        lens = np.array([len(d[0]) for d in docs], np.int64)
         n_pieces = -(-lens // seq_len)
         doc = np.repeat(np.arange(len(docs)), n_pieces)
         first = np.cumsum(n_pieces) - n_pieces
@@ -58,12 +60,15 @@ class Block:
         """Write row j into [S] arrays that hold padding (the caller's PAD / 0 fill)."""
         at = 0
         for seg, p in enumerate(range(self.bounds[j], self.bounds[j + 1]), start=1):
-            toks, response_start = self.docs[self.doc[p]]
+            toks, targets = self.docs[self.doc[p]][:2]
             s, n = int(self.start[p]), int(self.length[p])
             tokens[at:at + n] = toks[s:s + n]
             segment_ids[at:at + n] = seg
             positions[at:at + n] = np.arange(n)
-            loss_mask[at:at + n] = np.arange(s, s + n) >= response_start
+            if isinstance(targets, np.ndarray):
+                loss_mask[at:at + n] = targets[s:s + n]
+            else:
+                loss_mask[at:at + n] = np.arange(s, s + n) >= targets
             loss_mask[at] = 0  # a segment's first token has nothing before it to be predicted from
             at += n
 

@@ -20,6 +20,18 @@ A finite pipeline (eval, or num_epochs set) ends when all of this process's slot
 out earlier contributes all-padding rows. `take(n)` always gives n batches (padding after the end), so every
 process of a multi-process eval runs the same number of steps.
 
+Tokenization is batched: a block's documents are parsed (chat: rendered) one by one and encoded a chunk at a time
+(`Tokenizer.encode_batch`; the Rust library of an HF tokenizer encodes a chunk in parallel), each chunk about as many
+documents as the block still needs; what the block does not take is kept for the next one (not part of the state:
+a restored iterator reads it again, with the same result).
+
+Records are of one kind per pipeline: text documents (text_field), SFT pairs (prompt_field + response_field), chat
+conversations (messages_field, chat.py: rendered with the checkpoint's chat template, loss on assistant tokens), or
+pre-tokenized records (tokens_field, pretokenized.py). Conversations (chat, and pre-tokenized records with a loss
+mask) are never cut into pieces: one longer than seq_len tokens is skipped (data.too_long="skip", counted in
+skipped_too_long) or keeps its first seq_len tokens (data.too_long="truncate", counted in `truncated` and the
+tokens dropped in `truncated_tokens`). Text documents and SFT pairs longer than seq_len are cut into seq_len pieces.
+
 Bad records (undecodable, malformed, empty, longer than data.max_doc_chars) are skipped, counted in `stats` once
 each (in the first epoch; later epochs skip them silently) and the first few logged. Unusable files (unreadable,
 wrong format, a missing column, no usable record) raise `DataError` naming the file. The train / held-out split is by a stable hash of each record's key (file and line / row):
@@ -38,8 +50,11 @@ import ml_collections
 import numpy as np
 
 from glmjax.config import ConfigError
+from glmjax.data.chat import ChatTemplate, Rendered, assistant_mask, conversation
+from glmjax.data.hf_tokenizer import PREFIX
 from glmjax.data.packing import Block
-from glmjax.data.sources import FORMATS, SKIP_REASONS, DataError, Doc, Fields, Skip, open_source, parse
+from glmjax.data.pretokenized import parse_tokens
+from glmjax.data.sources import FORMATS, SKIP_REASONS, DataError, Doc, Fields, Skip, open_source, parse, record
 from glmjax.data.tokenizer import TOKENIZERS, Tokenizer, make_tokenizer
 
 log = logging.getLogger(__name__)
@@ -47,10 +62,18 @@ log = logging.getLogger(__name__)
 KEYS = ("tokens", "segment_ids", "positions", "loss_mask")
 SPLITS = ("train", "eval")
 LOGGED_SKIPS = 5  # bad records logged individually per process; all of them are counted
+TOO_LONG = ("skip", "truncate")
+MAX_CHUNK = 256  # documents tokenized in one batch
 
 
 def default_data_config(**overrides) -> ml_collections.ConfigDict:
-    """The `data` section of an experiment config."""
+    """The `data` section of an experiment config (the fields and rules: docs/data.md).
+
+    Chat (messages_field set): records hold a list of messages {role, content, tool_calls ...}, rendered with the
+    chat template of the hf tokenizer's checkpoint (or data.chat_template) and tokenized; the loss mask is the
+    template's {% generation %} stretches (transformers' assistant-token mask). Pre-tokenized (tokens_field set):
+    records hold token ids and optionally a 0/1 loss mask. Conversations longer than seq_len follow data.too_long.
+    """
     c = ml_collections.ConfigDict()
     c.path = ml_collections.config_dict.placeholder(str)  # None -> the embedded stdlib corpus; a file or directory
     c.format = "auto"  # auto (by extension) | text | jsonl | parquet | arrayrecord | arrayrecord_json
@@ -63,7 +86,13 @@ def default_data_config(**overrides) -> ml_collections.ConfigDict:
     c.shuffle = True  # document order per epoch and piece order within a shuffle window
     c.shuffle_window_tokens = 1 << 23  # tokens buffered for piece shuffling, over all batch rows (memory bound)
     c.prefetch = 2  # train batches prepared ahead in a background thread (0: none; eval never prefetches)
-    c.tokenizer = "byte"
+    c.tokenizer = "byte"  # "byte" | "hf:DIR": tokenizer.json (+ tokenizer_config.json) of a checkpoint directory
+    c.messages_field = ml_collections.config_dict.placeholder(str)  # chat: the list of messages (e.g. "messages")
+    c.tools_field = "tools"  # chat: the tools offered in the conversation (optional per record)
+    c.chat_template = ml_collections.config_dict.placeholder(str)  # chat: a .jinja file replacing the checkpoint's
+    c.tokens_field = ml_collections.config_dict.placeholder(str)  # pre-tokenized: the token ids (e.g. "input_ids")
+    c.loss_mask_field = "loss_mask"  # pre-tokenized: 0/1 per token (optional per record; absent: a plain document)
+    c.too_long = "skip"  # conversations longer than seq_len: "skip" or "truncate" to the first seq_len (counted)
     c.update(overrides)
     return c
 
@@ -94,7 +123,8 @@ def validate_data_config(data_cfg) -> None:
             fail("path", "does not exist")
     if d["format"] not in FORMATS:
         fail("format", f"must be one of {FORMATS}")
-    for f in ("text_field", "prompt_field", "response_field"):
+    for f in ("text_field", "prompt_field", "response_field", "messages_field", "tools_field", "tokens_field",
+              "loss_mask_field"):
         if d[f] is not None and (not isinstance(d[f], str) or not d[f]):
             fail(f, "must be a non-empty string" + ("" if f == "text_field" else " or None"))
     if d["text_field"] is None:
@@ -109,6 +139,22 @@ def validate_data_config(data_cfg) -> None:
             fail("prompt_field", "SFT needs a data.path with prompt/response records (the stdlib corpus is plain text)")
         if d["format"] in ("text", "arrayrecord"):
             fail("format", "plain-text records have no prompt/response fields; use jsonl, parquet or arrayrecord_json")
+    kinds = [f for f in ("prompt_field", "messages_field", "tokens_field") if d[f] is not None]
+    if len(kinds) > 1:
+        fail(kinds[1], f"records are of one kind: set only one of prompt_field, messages_field, tokens_field "
+                       f"(also set: {kinds[0]})")
+    for f in ("messages_field", "tokens_field"):
+        if d[f] is not None and d["path"] is None:
+            fail(f, "needs a data.path with such records (the stdlib corpus is plain text)")
+        if d[f] is not None and d["format"] in ("text", "arrayrecord"):
+            fail("format", f"plain-text records have no {f.split('_')[0]}; use jsonl, parquet or arrayrecord_json")
+    if d["chat_template"] is not None:
+        if not isinstance(d["chat_template"], str) or not os.path.isfile(d["chat_template"]):
+            fail("chat_template", "must be None or an existing Jinja template file")
+        if d["messages_field"] is None:
+            fail("chat_template", "is used only for chat records (set data.messages_field)")
+    if d["too_long"] not in TOO_LONG:
+        fail("too_long", f"must be one of {TOO_LONG}")
     if not is_int(d["max_doc_chars"]) or d["max_doc_chars"] < 1:
         fail("max_doc_chars", "must be an integer >= 1")
     if d["max_docs"] is not None and (not is_int(d["max_docs"]) or d["max_docs"] < 1):
@@ -124,8 +170,11 @@ def validate_data_config(data_cfg) -> None:
         fail("shuffle_window_tokens", "must be an integer >= 1")
     if not is_int(d["prefetch"]) or d["prefetch"] < 0:
         fail("prefetch", "must be an integer >= 0")
-    if d["tokenizer"] not in TOKENIZERS:
-        fail("tokenizer", f"must be one of {tuple(TOKENIZERS)}")
+    tok = d["tokenizer"]
+    if not isinstance(tok, str) or (tok not in TOKENIZERS and not tok.startswith(PREFIX)):
+        fail("tokenizer", f"must be one of {tuple(TOKENIZERS)} or '{PREFIX}DIR' (a checkpoint directory)")
+    if tok.startswith(PREFIX) and not os.path.isfile(os.path.join(tok[len(PREFIX):], "tokenizer.json")):
+        fail("tokenizer", f"{tok[len(PREFIX):]!r} has no tokenizer.json")
 
 
 def split_indices(key_hashes: np.ndarray, eval_fraction: float, split: str) -> np.ndarray:
@@ -154,7 +203,10 @@ class Pipeline:
         self.tokenizer, self.seq_len, self.batch_size, self.split = tokenizer, seq_len, batch_size, split
         self.process_index, self.process_count = process_index, process_count
         self.local_batch_size = batch_size // process_count
-        self.fields = Fields(cfg["text_field"], cfg["prompt_field"], cfg["response_field"], cfg["max_doc_chars"])
+        self.fields = Fields(cfg["text_field"], cfg["prompt_field"], cfg["response_field"], cfg["max_doc_chars"],
+                             cfg["messages_field"], cfg["tools_field"], cfg["tokens_field"], cfg["loss_mask_field"])
+        self.too_long = cfg["too_long"]
+        self.chat_template = self._chat_template(cfg) if self.fields.messages_field else None
         self.source = open_source(cfg["path"], cfg["format"], self.fields)
         n = len(self.source) if cfg["max_docs"] is None else min(len(self.source), cfg["max_docs"])
         self.source_name = self.source.name
@@ -180,27 +232,83 @@ class Pipeline:
         fingerprint = dict(split=split, num_docs=self.num_docs, seq_len=seq_len,
                            batch_size=batch_size, slots=[first, first + len(slots)], seed=seed,
                            shuffle=cfg["shuffle"], window=cfg["shuffle_window_tokens"], num_epochs=num_epochs)
-        self.dataset = PackedBatches([order[r::batch_size].map(self._load) for r in slots], slots, seq_len,
-                                     max(cfg["shuffle_window_tokens"] // batch_size, seq_len),
+        self.dataset = PackedBatches([order[r::batch_size].map(self._prepare) for r in slots], self._tokenize, slots,
+                                     seq_len, max(cfg["shuffle_window_tokens"] // batch_size, seq_len),
                                      seed if cfg["shuffle"] else None, tokenizer.pad_id, fingerprint)
         if cfg["prefetch"] and split == "train":
             self.dataset = grain.experimental.ThreadPrefetchIterDataset(self.dataset,
                                                                         prefetch_buffer_size=cfg["prefetch"])
         self._it = iter(self.dataset)
 
-    def _load(self, j: int) -> tuple[np.ndarray, int] | Skip:
-        """Document j of the split -> (tokens int32 [n], response_start) or Skip (with the record's key)."""
-        i = int(self.indices[j])
-        doc = parse(*self.source[i], self.fields)
-        if isinstance(doc, Skip):
-            return Skip(doc.reason, f"{self.source.key(i)}: {doc.detail}")
-        if not self.fields.sft:
-            return self.tokenizer.encode(doc.text), 0
-        prompt = self.tokenizer.encode(doc.prompt, bos=True, eos=False)
-        return np.concatenate([prompt, self.tokenizer.encode(doc.text, bos=False, eos=True)]), len(prompt)
+    def _chat_template(self, cfg: dict) -> ChatTemplate:
+        tok = self.tokenizer
+        if not hasattr(tok, "encode_with_offsets") or not hasattr(tok, "chat_template"):
+            raise ConfigError(f"data.messages_field={cfg['messages_field']!r}: chat needs a Hugging Face tokenizer "
+                              f"(data.tokenizer='{PREFIX}DIR'), not {type(tok).__name__}")
+        if cfg["chat_template"] is None:
+            return ChatTemplate(tok.chat_template, tok.chat_template_file, tok.special_tokens)
+        with open(cfg["chat_template"], encoding="utf-8") as f:
+            return ChatTemplate(f.read(), cfg["chat_template"], tok.special_tokens)
+
+    def _prepare(self, j: int) -> tuple[int, Doc | Rendered | tuple] | Skip:
+        """Document j of the split -> (record index, parsed record: a Doc, a rendered chat or pre-tokenized
+        (ids, mask)), or Skip (its detail starting with the record's key)."""
+        return self._prepare_record(int(self.indices[j]))
+
+    def _prepare_record(self, i: int) -> tuple[int, Doc | Rendered | tuple] | Skip:
+        f = self.fields
+        if f.messages_field:
+            rec = record(*self.source[i])
+            chat = rec if isinstance(rec, Skip) else conversation(rec, f.messages_field, f.tools_field)
+            out = chat if isinstance(chat, Skip) else self.chat_template.render(chat)
+            if isinstance(out, Rendered) and not (out.spans[:, 1] > out.spans[:, 0]).any():
+                out = Skip("empty", "the rendered conversation has no assistant (generation) text")
+            if isinstance(out, Rendered) and f.max_doc_chars is not None and len(out.text) > f.max_doc_chars:
+                out = Skip("too_long", f"{len(out.text):,} chars rendered > max_doc_chars={f.max_doc_chars:,}")
+        elif f.tokens_field:
+            rec = record(*self.source[i])
+            out = rec if isinstance(rec, Skip) else parse_tokens(rec, f.tokens_field, f.loss_mask_field,
+                                                                 self.tokenizer.vocab_size)
+        else:
+            out = parse(*self.source[i], f)
+        if isinstance(out, Skip):
+            return Skip(out.reason, f"{self.source.key(i)}: {out.detail}")
+        return i, out
+
+    def _tokenize(self, items: list) -> list[tuple[np.ndarray, int | np.ndarray, int] | Skip]:
+        """Prepared documents -> (tokens int32 [n], targets: response_start or bool [n], tokens cut off) or Skip;
+        the texts of the list are encoded in one batch."""
+        out = list(items)
+        at = [k for k, x in enumerate(items) if not isinstance(x, Skip)]
+        if self.fields.messages_field:
+            encoded = self.tokenizer.encode_with_offsets([items[k][1].text for k in at])
+            for k, (ids, offsets) in zip(at, encoded):
+                out[k] = self._fit(items[k][0], ids, assistant_mask(offsets, items[k][1].spans))
+        elif self.fields.tokens_field:
+            for k in at:
+                i, (ids, mask) = items[k]
+                out[k] = (ids, 0, 0) if mask is None else self._fit(i, ids, mask)
+        elif self.fields.sft:
+            prompts = self.tokenizer.encode_batch([items[k][1].prompt for k in at], bos=True, eos=False)
+            responses = self.tokenizer.encode_batch([items[k][1].text for k in at], bos=False, eos=True)
+            for k, p, r in zip(at, prompts, responses):
+                out[k] = (np.concatenate([p, r]), len(p), 0)
+        else:
+            for k, ids in zip(at, self.tokenizer.encode_batch([items[k][1].text for k in at])):
+                out[k] = (ids, 0, 0)
+        return out
+
+    def _fit(self, i: int, ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray, int] | Skip:
+        """A conversation within seq_len as it is; a longer one skipped or truncated (data.too_long)."""
+        if len(ids) <= self.seq_len:
+            return ids, mask, 0
+        if self.too_long == "skip":
+            return Skip("too_long", f"{self.source.key(i)}: {len(ids):,} tokens > seq_len={self.seq_len} "
+                                    "(data.too_long='skip')")
+        return ids[:self.seq_len], mask[:self.seq_len], len(ids) - self.seq_len
 
     def _usable(self, i: int) -> bool:
-        return isinstance(parse(*self.source[int(i)], self.fields), Doc)
+        return not isinstance(self._prepare_record(int(i)), Skip)
 
     def _usable_held_out(self, hashes: np.ndarray, held: np.ndarray) -> np.ndarray:
         """The held-out records, with train records moved over (lowest key hash first, at least one record left
@@ -216,16 +324,18 @@ class Pipeline:
         return held
 
     def _check_usable(self) -> None:
-        """Fail now, not mid-run, when no document of the split is usable (e.g. a wrong text_field): parse in
-        order until the first usable one."""
+        """Fail now, not mid-run, when no document of the split is usable (e.g. a wrong text_field, or every
+        conversation too long): prepare and tokenize in order until the first usable one."""
         reasons: dict[str, int] = {}
         first = None
         for i in self.indices:
-            doc = parse(*self.source[int(i)], self.fields)
-            if isinstance(doc, Doc):
+            doc = self._prepare_record(int(i))
+            if not isinstance(doc, Skip):
+                doc = self._tokenize([doc])[0]
+            if not isinstance(doc, Skip):
                 return
             reasons[doc.reason] = reasons.get(doc.reason, 0) + 1
-            first = first or f"{self.source.key(int(i))}: {doc.detail}"
+            first = first or doc.detail
         raise DataError(f"data: none of the {len(self.indices)} {self.split} records of {self.source_name!r} is "
                          f"usable ({reasons}); first: {first}")
 
@@ -305,19 +415,21 @@ def empty_batch(rows: int, seq_len: int, pad_id: int) -> dict[str, np.ndarray]:
 
 def new_stats() -> dict[str, int]:
     return {"docs_read": 0, "docs_used": 0, "skipped": 0, **{f"skipped_{r}": 0 for r in SKIP_REASONS},
-            "batches": 0, "rows": 0, "tokens": 0, "target_tokens": 0}
+            "truncated": 0, "truncated_tokens": 0, "batches": 0, "rows": 0, "tokens": 0, "target_tokens": 0}
 
 
 # ------------------------------------------------------------------------------------------------ grain dataset
 
 
 class PackedBatches(grain.IterDataset):
-    """Batches from per-slot streams of documents (each a grain MapDataset of `Pipeline._load` results)."""
+    """Batches from per-slot streams of documents (each a grain MapDataset of `Pipeline._prepare` results, turned
+    into tokens a chunk at a time by `tokenize`, i.e. `Pipeline._tokenize`)."""
 
-    def __init__(self, slot_docs: list[grain.MapDataset], slots: list[int], seq_len: int, window: int,
+    def __init__(self, slot_docs: list[grain.MapDataset], tokenize, slots: list[int], seq_len: int, window: int,
                  seed: int | None, pad_id: int, fingerprint: dict):
         super().__init__(slot_docs)
-        self.slot_docs, self.slots, self.seq_len, self.window = slot_docs, slots, seq_len, window
+        self.slot_docs, self.tokenize, self.slots = slot_docs, tokenize, slots
+        self.seq_len, self.window = seq_len, window
         self.seed, self.pad_id, self.fingerprint = seed, pad_id, fingerprint
 
     def __iter__(self) -> PackedBatchIterator:
@@ -330,6 +442,7 @@ class _Slot:
         self.start, self.row, self.counted = 0, 0, False  # the state: block start, rows emitted, docs counted
         self.block: Block | None = None
         self.end = 0  # first document after the loaded block
+        self.ahead: list = []  # documents from `start` on, tokenized with the previous block's last chunk
 
 
 class PackedBatchIterator(grain.DatasetIterator):
@@ -367,15 +480,25 @@ class PackedBatchIterator(grain.DatasetIterator):
 
     def _load_block(self, slot: _Slot) -> None:
         """Read the slot's documents from slot.start until the block holds `window` tokens (or the data ends);
-        count them unless this block was counted before the state was saved."""
+        count them unless this block was counted before the state was saved. Documents are tokenized a chunk at a
+        time, about as many as the block still needs at the mean length so far; the rest of the last chunk is kept
+        for the next block."""
         docs, n_tokens, k = [], 0, slot.start
         count = not slot.counted
         fp = self.ds.fingerprint
+        chunk, c = slot.ahead, 0
         while k < slot.size and n_tokens < self.ds.window:
-            d = slot.docs[k]
+            if c == len(chunk):  # about as many documents as the block still needs, at the mean length so far
+                read = k - slot.start
+                want = 1 if not read else -(-(self.ds.window - n_tokens) * read // max(n_tokens, 1))
+                stop = min(k + min(want, MAX_CHUNK), slot.size)
+                chunk, c = self.ds.tokenize([slot.docs[x] for x in range(k, stop)]), 0
+            d = chunk[c]
+            c += 1
             k += 1
+            first_epoch = slot.index + (k - 1) * fp["batch_size"] < fp["num_docs"]  # count each record once
             if isinstance(d, Skip):
-                if count and slot.index + (k - 1) * fp["batch_size"] < fp["num_docs"]:  # first epoch: once each
+                if count and first_epoch:
                     self.stats["skipped"] += 1
                     self.stats[f"skipped_{d.reason}"] += 1
                     if self._logged < LOGGED_SKIPS:
@@ -383,13 +506,16 @@ class PackedBatchIterator(grain.DatasetIterator):
                         log.warning("data: skipped a record (%s): %s%s", d.reason, d.detail,
                                     " (further skips are only counted)" if self._logged == LOGGED_SKIPS else "")
                 continue
+            if d[2] and count and first_epoch:
+                self.stats["truncated"] += 1
+                self.stats["truncated_tokens"] += d[2]
             docs.append(d)
             n_tokens += len(d[0])
         if count:
             self.stats["docs_read"] += k - slot.start
             self.stats["docs_used"] += len(docs)
         rng = None if self.ds.seed is None else np.random.default_rng([self.ds.seed, slot.index, slot.start])
-        slot.block, slot.end, slot.counted = Block(docs, self.ds.seq_len, rng), k, True
+        slot.block, slot.end, slot.counted, slot.ahead = Block(docs, self.ds.seq_len, rng), k, True, chunk[c:]
 
     def get_state(self) -> dict[str, Any]:
         return {"fingerprint": copy.deepcopy(self.ds.fingerprint),
@@ -402,5 +528,5 @@ class PackedBatchIterator(grain.DatasetIterator):
             raise ConfigError("data: the saved iterator state belongs to a different pipeline: "
                              + ", ".join(f"{k} saved {got.get(k)!r} != now {want[k]!r}" for k in diff))
         for s, (start, row, counted) in zip(self.slots, state["slots"]):
-            s.start, s.row, s.counted, s.block = int(start), int(row), bool(counted), None
+            s.start, s.row, s.counted, s.block, s.ahead = int(start), int(row), bool(counted), None, []
         self.stats = {**new_stats(), **state["stats"]}

@@ -10,9 +10,11 @@ on the order of files or on other files in the directory.
 Formats (`data.format`; "auto" picks one per file by extension: .jsonl, .parquet, .array_record / .arrayrecord,
 anything else is text):
 - text: one document per file (UTF-8);
-- jsonl: one JSON object per line; the document is its `text_field` (or `prompt_field` + `response_field` for SFT);
-- parquet: one row per document, same fields (string or binary columns);
-- arrayrecord: one UTF-8 document per record; arrayrecord_json: one JSON object per record, same fields as JSONL.
+- jsonl: one JSON object per line; the document is its `text_field` (or `prompt_field` + `response_field` for SFT,
+  or `messages_field` for chat, chat.py, or `tokens_field` for pre-tokenized records, pretokenized.py);
+- parquet: one row per document, same fields (string or binary columns; lists / structs for messages and tokens);
+- arrayrecord: one UTF-8 document per record; arrayrecord_json: one JSON object per record, same fields as JSONL
+  ("auto" reads ArrayRecord files as arrayrecord_json when messages_field or tokens_field is set).
 The embedded default corpus (no path) is the `.py` sources of the running interpreter's standard library
 (site-packages, caches and test directories excluded), as text documents.
 """
@@ -42,10 +44,28 @@ class Fields:
     prompt_field: str | None = None  # SFT: prompt_field and response_field both set
     response_field: str | None = None
     max_doc_chars: int | None = None
+    messages_field: str | None = None  # chat: a list of messages (chat.py)
+    tools_field: str | None = None  # chat: the tools offered to the model (optional per record)
+    tokens_field: str | None = None  # pre-tokenized: a list of token ids (pretokenized.py)
+    loss_mask_field: str | None = None  # pre-tokenized: a list of 0/1 per token (optional per record)
 
     @property
     def sft(self) -> bool:
         return self.response_field is not None
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        """The fields every record needs (Parquet: the columns that must exist)."""
+        if self.messages_field:
+            return (self.messages_field,)
+        if self.tokens_field:
+            return (self.tokens_field,)
+        return (self.prompt_field, self.response_field) if self.sft else (self.text_field,)
+
+    @property
+    def optional_columns(self) -> tuple[str, ...]:
+        return tuple(f for f in (self.tools_field if self.messages_field else None,
+                                 self.loss_mask_field if self.tokens_field else None) if f)
 
 
 class Doc(NamedTuple):
@@ -120,7 +140,7 @@ class ParquetFile:
     the size of the text). For corpora larger than memory use ArrayRecord, which reads single records."""
     kind = "row"
 
-    def __init__(self, path: str, columns: tuple[str, ...]):
+    def __init__(self, path: str, columns: tuple[str, ...], optional: tuple[str, ...] = ()):
         import pyarrow.parquet as pq
 
         self.file = pq.ParquetFile(path)
@@ -133,7 +153,7 @@ class ParquetFile:
         counts = [md.row_group(g).num_rows for g in range(md.num_row_groups)]
         per_row = [md.row_group(g).total_byte_size / max(n, 1) for g, n in enumerate(counts)]
         self.sizes = np.repeat(np.array(per_row, np.float64), counts).astype(np.int64)
-        self.columns, self._table = columns, None
+        self.columns, self._table = columns + tuple(c for c in optional if c in names), None
 
     def __len__(self):
         return self.file.metadata.num_rows
@@ -240,17 +260,18 @@ def open_source(path: str | None, fmt: str = "auto", fields: Fields = Fields()) 
         files = [(n, os.path.join(path, n)) for n in sorted(names)]
     else:
         files = [(os.path.basename(path), path)]
-    columns = (fields.prompt_field, fields.response_field) if fields.sft else (fields.text_field,)
     readers = []
     for name, p in files:
         kind = file_format(p, fmt)
+        if kind == "arrayrecord" and fmt == "auto" and (fields.messages_field or fields.tokens_field):
+            kind = "arrayrecord_json"  # chat and token records are JSON objects
         if kind not in FORMATS[1:]:
             raise ValueError(f"unknown data format {fmt!r} (known: {FORMATS})")
-        readers.append((name, open_reader(p, kind, columns)))
+        readers.append((name, open_reader(p, kind, fields.columns, fields.optional_columns)))
     return Source(path, readers)
 
 
-def open_reader(p: str, kind: str, columns: tuple[str, ...]):
+def open_reader(p: str, kind: str, columns: tuple[str, ...], optional: tuple[str, ...] = ()):
     """One file's reader; any failure to open it -> DataError naming the file."""
     if os.path.islink(p) and not os.path.exists(p):
         raise DataError(f"data file {p!r} is a dangling symlink (its target {os.readlink(p)!r} does not exist)")
@@ -260,7 +281,7 @@ def open_reader(p: str, kind: str, columns: tuple[str, ...]):
         if kind == "jsonl":
             return JsonlFile(p)
         if kind == "parquet":
-            return ParquetFile(p, columns)
+            return ParquetFile(p, columns, optional)
         return ArrayRecordFile(p, "json" if kind == "arrayrecord_json" else "text")
     except DataError:
         raise
@@ -272,25 +293,33 @@ def open_reader(p: str, kind: str, columns: tuple[str, ...]):
 # ------------------------------------------------------------------------------------------------ parsing
 
 
-def parse(kind: str, raw, fields: Fields) -> Doc | Skip:
-    """One raw record -> Doc, or Skip(reason, detail) for an undecodable, malformed, empty or too long record."""
+def record(kind: str, raw) -> str | dict | Skip:
+    """One raw record -> its text (kind "text"), its fields (a dict), or Skip for undecodable / malformed bytes."""
     if kind in ("text", "json"):
         try:
             raw = bytes(raw).decode("utf-8")
         except UnicodeDecodeError as e:
             return Skip("undecodable", str(e))
+    if kind == "json":
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as e:
+            return Skip("malformed", f"invalid JSON: {e}")
+        if not isinstance(raw, dict):
+            return Skip("malformed", f"a JSON {type(raw).__name__}, not an object")
+    return raw
+
+
+def parse(kind: str, raw, fields: Fields) -> Doc | Skip:
+    """One raw record -> Doc, or Skip(reason, detail) for an undecodable, malformed, empty or too long record."""
+    raw = record(kind, raw)
+    if isinstance(raw, Skip):
+        return raw
     if kind == "text":
         if fields.sft:
             return Skip("malformed", "a plain-text record has no prompt/response fields")
         doc = Doc("", raw)
     else:
-        if kind == "json":
-            try:
-                raw = json.loads(raw)
-            except json.JSONDecodeError as e:
-                return Skip("malformed", f"invalid JSON: {e}")
-            if not isinstance(raw, dict):
-                return Skip("malformed", f"a JSON {type(raw).__name__}, not an object")
         values = []
         for f in ((fields.prompt_field, fields.response_field) if fields.sft else (fields.text_field,)):
             v = raw.get(f)

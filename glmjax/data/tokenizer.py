@@ -1,5 +1,6 @@
 """Tokenizers. The pipeline needs only the `Tokenizer` protocol, so any tokenizer with these members plugs in;
-`make_tokenizer(name)` builds the named built-in one ("byte").
+`make_tokenizer(name)` builds the named one: "byte", or "hf:DIR" (a Hugging Face tokenizer.json in the checkpoint
+directory DIR, hf_tokenizer.py).
 
 ByteTokenizer: ids 0..255 are the UTF-8 bytes, then BOS, EOS, PAD. Lossless for any text.
 """
@@ -9,15 +10,20 @@ from typing import Protocol
 
 import numpy as np
 
+from glmjax.data.hf_tokenizer import PREFIX, HFTokenizer
+
 
 class Tokenizer(Protocol):
     vocab_size: int
-    bos_id: int
+    bos_id: int | None  # None: no BOS (encode(bos=True) adds nothing)
     eos_id: int
     pad_id: int
 
     def encode(self, text: str, bos: bool = True, eos: bool = True) -> np.ndarray:
         """text -> int32 ids [n], optionally wrapped in BOS ... EOS."""
+
+    def encode_batch(self, texts: list[str], bos: bool = True, eos: bool = True) -> list[np.ndarray]:
+        """[encode(t, bos, eos) for t in texts], possibly faster."""
 
     def decode(self, ids) -> str:
         """ids -> text (special tokens dropped)."""
@@ -38,6 +44,9 @@ class ByteTokenizer:
         parts += [np.array([self.EOS], np.int32)] if eos else []
         return np.concatenate(parts)
 
+    def encode_batch(self, texts: list[str | bytes], bos: bool = True, eos: bool = True) -> list[np.ndarray]:
+        return [self.encode(t, bos, eos) for t in texts]
+
     def decode(self, ids) -> str:
         """ids -> text; special tokens are dropped, invalid UTF-8 (e.g. a cut multi-byte char) becomes U+FFFD."""
         ids = np.asarray(ids).reshape(-1)
@@ -50,6 +59,9 @@ TOKENIZERS = {"byte": ByteTokenizer}
 
 
 def make_tokenizer(name: str = "byte") -> Tokenizer:
+    """"byte" or "hf:DIR"."""
+    if name.startswith(PREFIX):
+        return HFTokenizer(name[len(PREFIX):])
     if name not in TOKENIZERS:
-        raise ValueError(f"unknown tokenizer {name!r} (known: {', '.join(TOKENIZERS)})")
+        raise ValueError(f"unknown tokenizer {name!r} (known: {', '.join(TOKENIZERS)}, {PREFIX}DIR)")
     return TOKENIZERS[name]()
