@@ -344,6 +344,22 @@ def test_epochs_repeat_every_document_with_a_new_order(corpus):
     assert first != second and first != sorted(first)
 
 
+def test_documents_are_tokenized_in_batches_once_each(corpus):
+    calls = []
+
+    class Counting(ByteTokenizer):
+        def encode_batch(self, texts, bos=True, eos=True):
+            calls.append(len(texts))
+            return super().encode_batch(texts, bos, eos)
+
+    data = cfg(corpus, shuffle_window_tokens=2 * 1000)
+    pipe = make_pipeline(data, 64, 2, seed=4, num_epochs=1, tokenizer=Counting())
+    calls.clear()  # the start-up check encodes one document
+    got = take_all(pipe)
+    assert sum(calls) == 40 and len(calls) < 40 / 2 and max(calls) > 2  # each document once, several per call
+    assert_batches_equal(got, take_all(make_pipeline(data, 64, 2, seed=4, num_epochs=1)))
+
+
 @pytest.mark.parametrize("prefetch", [0, 2])
 def test_state_restore_mid_epoch_gives_identical_batches(corpus, prefetch):
     data = small(corpus, prefetch=prefetch)
@@ -418,7 +434,8 @@ def test_split_is_a_stable_partition_by_document(tmp_path, corpus):
     ("shuffle", "yes", "data.shuffle='yes': must be True or False"),
     ("shuffle_window_tokens", -1, "data.shuffle_window_tokens=-1"),
     ("prefetch", 1.5, "data.prefetch=1.5"),
-    ("tokenizer", "gpt2", "data.tokenizer='gpt2': must be one of"),
+    ("tokenizer", "gpt2", "data.tokenizer='gpt2': must be one of .*'byte'.* or 'hf:DIR'"),
+    ("too_long", "cut", "data.too_long='cut': must be one of .*'skip', 'truncate'"),
 ])
 def test_invalid_data_configs_name_the_field(field, value, match):
     with pytest.raises(ConfigError, match=match.replace("(", r"\(").replace("[", r"\[")):

@@ -18,7 +18,8 @@ turns), which would silently train on the wrong tokens. Set data.chat_template t
 template with the assistant part of each turn wrapped in the markers.
 
 Implementation: the generation block writes two private-use characters (U+E000 / U+E001) around its text; they are
-removed after rendering and their places are the stretches. A record whose strings contain them is skipped.
+removed after rendering and their places are the stretches. A record whose strings contain them is skipped. (This
+also places blocks inside macros correctly, where transformers' offsets of the yielded output do not.)
 
 Messages. `messages` is a list (or a JSON string of a list) of objects with a role in ROLES and a content (a string,
 a list of content parts, or absent, e.g. for an assistant turn with tool_calls); keys with a None value are dropped
