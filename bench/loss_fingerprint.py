@@ -15,11 +15,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def losses(path: str, keys=("loss",)) -> list:
+    """[step, key=hex, ...] of every step record with at least one of `keys` (the others absent, e.g. the policy
+    loss during PPO's critic warm-up)."""
     out = []
     for line in open(path):
         rec = json.loads(line)
-        if "step" in rec and all(k in rec for k in keys):
-            out.append([rec["step"]] + [float(rec[k]).hex() for k in keys])
+        if "step" in rec and any(k in rec for k in keys):
+            out.append([rec["step"]] + [f"{k}={float(rec[k]).hex()}" for k in keys if k in rec])
     return out
 
 
@@ -38,7 +40,7 @@ def fingerprint(workdir: str) -> dict:
     p.optim.warmup_steps = 2
     p.ppo.update(steps=5, critic_warmup_steps=2, sft_steps=10, eval_every=0, eval_problems=8, eval_samples=2)
     train_ppo(p, os.path.join(workdir, "ppo"), progress=False)
-    result["ppo"] = losses(os.path.join(workdir, "ppo", "metrics.jsonl"), ("policy_loss", "value_loss", "reward"))
+    result["ppo"] = losses(os.path.join(workdir, "ppo", "metrics.jsonl"), ("reward_mean", "value_loss", "policy_loss", "entropy"))
     return result
 
 
@@ -54,7 +56,7 @@ def main():
         print(f"{name}: {len(rows)} steps, last {rows[-1] if rows else None}")
     if args.compare:
         before = json.load(open(args.compare))
-        diff = [k for k in before if before[k] != result.get(k)]
+        diff = [k for k in before if before[k] != result.get(k) or not before[k]]
         print("bitwise identical" if not diff else f"DIFFERENT: {diff}")
         sys.exit(1 if diff else 0)
 
