@@ -5,6 +5,7 @@ half-split indexer RoPE, 64 indexer heads, eps 1e-6.
 """
 import ml_collections
 
+from glmjax.config import model_config_dict
 from glmjax.data import default_data_config
 from glmjax.optim.config import default_optim_config
 from glmjax.parallel import default_parallel_config
@@ -13,7 +14,9 @@ from glmjax.train.config import default_train_config, experiment_fields
 
 def get_config():
     c = ml_collections.ConfigDict()
-    c.model = ml_collections.ConfigDict(dict(
+    # the other fields are ModelConfig's defaults, which are DeepSeek-V3.2's: 1 shared expert, routed scaling 2.5,
+    # every layer "full", interleaved RoPE, theta 1e4, indexer k_norm eps 1e-6, one MTP layer
+    c.model = model_config_dict(
         vocab_size=129280,
         hidden_size=7168,
         intermediate_size=18432,
@@ -27,31 +30,21 @@ def get_config():
         qk_rope_head_dim=64,
         v_head_dim=128,
         n_routed_experts=256,
-        n_shared_experts=1,
         num_experts_per_tok=8,
         n_group=8,
         topk_group=4,
-        routed_scaling_factor=2.5,
-        norm_topk_prob=True,
         index_n_heads=64,
         index_head_dim=128,
         index_topk=2048,
-        index_topk_freq=1,  # every layer has its own indexer
-        rope_interleave=True,
         indexer_rope_interleave=False,  # half-split
-        rope_theta=10000.0,
         rope_scaling=dict(rope_type="yarn", factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0,
                           beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
         max_position_embeddings=163840,
         rms_norm_eps=1e-6,
         latent_norm_eps=1e-6,
-        indexer_norm_eps=1e-6,
-        num_nextn_predict_layers=1,
         mtp_depth=1,
-        mtp_loss_weight=0.1,
         dtype="bfloat16",
-        param_dtype="float32",
-    ))
+    )
     c.optim = default_optim_config(name="muon_split", lr=2e-4, warmup_steps=500)  # total_steps := train.steps
     c.train = default_train_config(seq_len=4096, batch_size=256, steps=10000,
                                    mode="sparse", log_every=10, eval_every=500, eval_batches=8)

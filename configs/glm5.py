@@ -5,6 +5,7 @@ adaptation, ...) are separate configs.
 """
 import ml_collections
 
+from glmjax.config import model_config_dict
 from glmjax.data import default_data_config
 from glmjax.optim.config import default_optim_config
 from glmjax.parallel import default_parallel_config
@@ -13,7 +14,10 @@ from glmjax.train.config import default_train_config, experiment_fields
 
 def get_config():
     c = ml_collections.ConfigDict()
-    c.model = ml_collections.ConfigDict(dict(
+    # the other fields are ModelConfig's defaults, which are GLM-5's: no expert groups, 1 shared expert, routed
+    # scaling 2.5, indexer_types derived (index_topk_freq=1: all 78 layers "full"), interleaved RoPE, no rope
+    # scaling, eps 1e-5 (indexer k_norm 1e-6), one MTP layer at depth 3
+    c.model = model_config_dict(
         vocab_size=154880,
         hidden_size=6144,
         intermediate_size=12288,
@@ -27,32 +31,14 @@ def get_config():
         qk_rope_head_dim=64,
         v_head_dim=256,
         n_routed_experts=256,
-        n_shared_experts=1,
         num_experts_per_tok=8,
-        n_group=1,
-        topk_group=1,
-        routed_scaling_factor=2.5,
-        norm_topk_prob=True,
         index_n_heads=32,
         index_head_dim=128,
         index_topk=2048,
-        indexer_types=None,  # absent in GLM-5 -> derived: index_topk_freq=1 makes all 78 layers "full"
-        index_topk_freq=1,
-        index_skip_topk_offset=2,
-        rope_interleave=True,
-        indexer_rope_interleave=True,
         rope_theta=1e6,
-        rope_scaling=None,
         max_position_embeddings=202752,
-        rms_norm_eps=1e-5,
-        latent_norm_eps=1e-5,
-        indexer_norm_eps=1e-6,
-        num_nextn_predict_layers=1,
-        mtp_depth=3,
-        mtp_loss_weight=0.1,
         dtype="bfloat16",
-        param_dtype="float32",
-    ))
+    )
     # GLM-5 trains with Muon Split (SPEC E.6); the numbers are placeholders for a user's own run.
     c.optim = default_optim_config(name="muon_split", lr=2e-4, warmup_steps=500)  # total_steps := train.steps
     c.train = default_train_config(seq_len=4096, batch_size=256, steps=10000,

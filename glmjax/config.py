@@ -2,6 +2,9 @@
 
 Field names follow the Hugging Face `glm_moe_dsa` / `deepseek_v32` configs (SPEC.md A) so that a
 config.json maps onto them directly. Every validation error names the field, the value and the rule.
+The defaults are SPEC A.5's tiny shapes (without its expert groups and IndexShare pattern). A config file's `model`
+section is `model_config_dict(**delta)`: every field (so that each can be overridden from the command line), the
+dataclass defaults replaced by the delta.
 """
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
+import ml_collections
 from flax.core import FrozenDict
 
 
@@ -100,10 +104,7 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
         d = dict(d.to_dict() if hasattr(d, "to_dict") else d)
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ConfigError(f"model.{unknown[0]}: unknown field (known fields: {', '.join(sorted(names))})")
+        reject_unknown_fields(d)
         if d.get("indexer_types") is not None:
             d["indexer_types"] = tuple(d["indexer_types"])
         if d.get("rope_scaling") is not None:
@@ -111,6 +112,15 @@ class ModelConfig:
         cfg = cls(**d)
         cfg.validate()
         return cfg
+
+    def to_json_dict(self) -> dict:
+        """Every field as a JSON value (checkpoint meta, model_config.json); from_dict reads it back."""
+        d = dataclasses.asdict(self)
+        if d["rope_scaling"] is not None:
+            d["rope_scaling"] = dict(d["rope_scaling"])
+        if d["indexer_types"] is not None:
+            d["indexer_types"] = list(d["indexer_types"])
+        return d
 
     def replace(self, **kw) -> "ModelConfig":
         cfg = dataclasses.replace(self, **kw)
@@ -220,6 +230,32 @@ class ModelConfig:
                     fail("rope_scaling", "yarn original_max_position_embeddings must be >= 1")
                 if not rs.get("beta_fast", 32) > rs.get("beta_slow", 1) > 0:
                     fail("rope_scaling", "yarn needs beta_fast > beta_slow > 0")
+
+
+def reject_unknown_fields(names) -> None:
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(names) - known)
+    if unknown:
+        raise ConfigError(f"model.{unknown[0]}: unknown field (known fields: {', '.join(sorted(known))})")
+
+
+# The type a command-line override of a field whose value is None is parsed as (ML-collections infers the type of
+# every other field from its value); a new field that may be None needs an entry here.
+NONE_FIELD_TYPES = {"indexer_types": tuple, "rope_scaling": ml_collections.ConfigDict}
+
+
+def model_config_dict(**delta) -> ml_collections.ConfigDict:
+    """The `model` section of a config file: every ModelConfig field, its default replaced by `delta`'s value.
+
+    None-valued fields become typed placeholders (NONE_FIELD_TYPES), so that `--config.model.indexer_types=
+    "('full', 'shared')"` or `--config.model.rope_scaling="{'rope_type': 'yarn', ...}"` parse where the value is None.
+    Values are not validated here (ModelConfig.from_dict does that when the config is used).
+    """
+    reject_unknown_fields(delta)
+    c = ml_collections.ConfigDict()
+    for name, value in {**{f.name: f.default for f in dataclasses.fields(ModelConfig)}, **delta}.items():
+        c[name] = ml_collections.config_dict.placeholder(NONE_FIELD_TYPES[name]) if value is None else value
+    return c
 
 
 ATTENTION_IMPLS = {"xla", "pallas"}

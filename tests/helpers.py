@@ -1,4 +1,7 @@
-"""Shared test fixtures: the SPEC A.5 tiny config and batch builders."""
+"""Shared test fixtures: the tiny model config (configs/tiny.py's) and batch builders."""
+import os
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -6,12 +9,12 @@ import numpy as np
 from glmjax.config import ModelConfig
 from glmjax.model import Batch
 
-TINY = dict(vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=6,
-            first_k_dense_replace=1, num_attention_heads=4, q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32,
-            qk_rope_head_dim=16, v_head_dim=24, n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=4,
-            n_group=4, topk_group=2, routed_scaling_factor=2.5, index_n_heads=4, index_head_dim=32, index_topk=8,
-            indexer_types=("full", "full", "shared", "shared", "full", "shared"), rope_theta=10000.0,
-            max_position_embeddings=256, mtp_depth=3, block_q=16, loss_chunk=20)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # `configs` from the repo root
+from configs import tiny as tiny_config_file  # noqa: E402
+
+# configs/tiny.py's model with the tests' delta: SPEC A.5's top-8 (the tests' sequences are short) and small
+# query / loss chunks, so that blocking and chunking run over several blocks.
+TINY = {**tiny_config_file.get_config().model.to_dict(), "index_topk": 8, "block_q": 16, "loss_chunk": 20}
 
 
 def tiny(**kw) -> ModelConfig:

@@ -1,5 +1,7 @@
-"""Every config file loads (as train.py loads it) and validates; invalid model configs fail naming the field."""
+"""Every config file loads (as train.py loads it), has every ModelConfig field and validates; invalid model configs
+fail naming the field."""
 import dataclasses
+import json
 import os
 import sys
 
@@ -9,7 +11,7 @@ from absl import flags
 from flax import nnx
 from ml_collections import config_flags
 
-from glmjax.config import ConfigError, ModelConfig
+from glmjax.config import ConfigError, ModelConfig, model_config_dict
 from glmjax.data import ByteTokenizer
 from glmjax.model.moe import RouterBias
 from glmjax.model.transformer import GLM
@@ -39,9 +41,9 @@ def param_count(cfg):
 @pytest.mark.parametrize("name", CONFIGS)
 def test_config_loads_and_validates(name):
     c = load(name)
-    fields = {f.name for f in dataclasses.fields(ModelConfig)}
-    assert set(c.model) <= fields
+    assert set(c.model) == {f.name for f in dataclasses.fields(ModelConfig)}  # every field, so every one overridable
     cfg = ModelConfig.from_dict(c.model)
+    assert ModelConfig.from_dict(json.loads(json.dumps(cfg.to_json_dict()))) == cfg  # checkpoint meta round trip
     validate_train_config(c.train, cfg)
     assert c.train.mode in ("dense", "sparse")
     for stage in c.recipe:  # a recipe: every stage's merged config is valid too (as run() checks it)
@@ -54,6 +56,53 @@ def test_overrides_from_the_command_line():
     c = load("tiny", "--config.model.index_topk=4", "--config.train.steps=7", "--config.train.mode=dense")
     assert (c.model.index_topk, c.train.steps, c.train.mode) == (4, 7, "dense")
     assert ModelConfig.from_dict(c.model).index_topk == 4
+
+
+def test_none_fields_are_overridable():
+    """indexer_types / rope_scaling are None in glm5.py: typed placeholders parse a tuple / a dict."""
+    c = load("glm5", "--config.model.num_hidden_layers=3", "--config.model.indexer_types=('full', 'shared', 'full')",
+             "--config.model.rope_scaling={'rope_type': 'yarn', 'factor': 4.0, 'original_max_position_embeddings': 32}")
+    cfg = ModelConfig.from_dict(c.model)
+    assert cfg.layer_indexer_types == ("full", "shared", "full") and cfg.yarn and cfg.rope_scaling["factor"] == 4.0
+    assert load("deepseek_v32", "--config.model.rope_scaling.factor=20.0").model.rope_scaling.factor == 20.0
+
+
+def test_stage_overrides_reach_every_model_field():
+    c = load("recipe_tiny")
+    with c.unlocked():  # block_q: not in recipe_tiny.py's delta, but a field of its model section
+        c.stages.sparse_adapt.model = {"block_q": 32}
+    assert ModelConfig.from_dict(stage_config(c, "sparse_adapt").model).block_q == 32
+    assert ModelConfig.from_dict(stage_config(c, "pretrain").model).block_q == 256
+
+
+def test_model_config_dict_rejects_unknown_fields():
+    with pytest.raises(ConfigError, match=r"model\.hidden_sizee\b"):
+        model_config_dict(hidden_sizee=128)
+
+
+# keymap.model_config_json's output before ModelConfig.to_json_dict existed (checkpoint meta, model_config.json), for
+# deepseek_v32.py with 4 layers F S F S
+OLD_META = (
+    '{"vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, '
+    '"num_hidden_layers": 4, "first_k_dense_replace": 1, "num_attention_heads": 128, "q_lora_rank": 1536, '
+    '"kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 256, '
+    '"n_shared_experts": 1, "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5, '
+    '"norm_topk_prob": true, "index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048, "indexer_types": '
+    '["full", "shared", "full", "shared"], "index_topk_freq": 1, "index_skip_topk_offset": 2, "rope_interleave": true, '
+    '"indexer_rope_interleave": false, "rope_theta": 10000.0, "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, '
+    '"factor": 40.0, "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096, "rope_type": '
+    '"yarn"}, "max_position_embeddings": 163840, "rms_norm_eps": 1e-06, "latent_norm_eps": 1e-06, "indexer_norm_eps": '
+    '1e-06, "num_nextn_predict_layers": 1, "mtp_depth": 1, "mtp_loss_weight": 0.1, "init_std": 0.02, "dtype": '
+    '"bfloat16", "param_dtype": "float32", "moe_impl": "auto", "moe_dispatch": "auto", "moe_capacity_factor": 0.0, '
+    '"attention_impl": "xla", "block_q": 256, "loss_chunk": 512, "scan_layers": true, "remat": "none"}')
+
+
+def test_old_checkpoint_meta_loads_and_is_written_the_same():
+    c = load("deepseek_v32", "--config.model.num_hidden_layers=4", "--config.model.first_k_dense_replace=1",
+             "--config.model.indexer_types=('full', 'shared', 'full', 'shared')")
+    cfg = ModelConfig.from_dict(c.model)
+    assert ModelConfig.from_dict(json.loads(OLD_META)) == cfg
+    assert json.dumps(cfg.to_json_dict()) == OLD_META
 
 
 def test_glm5_matches_spec():

@@ -7,7 +7,6 @@ is the MTP layer (`mtp.*`).
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -353,9 +352,6 @@ def detect_expert_layout(keys, i: int) -> str:
 
 
 def model_config_json(cfg: ModelConfig) -> dict:
-    d = dataclasses.asdict(cfg)
-    if d.get("rope_scaling") is not None:
-        d["rope_scaling"] = dict(d["rope_scaling"])
-    if d.get("indexer_types") is not None:
-        d["indexer_types"] = list(d["indexer_types"])
-    return d
+    """Kept for its callers until they call cfg.to_json_dict() (glmjax/train/loop.py, glmjax/interop/hf.py,
+    tests/test_tools.py)."""
+    return cfg.to_json_dict()
