@@ -87,7 +87,7 @@ def _index_topk_jvp(topk, block_q, interpret, primals, tangents):
     return (ids, vals), (np.zeros(ids.shape, jax.dtypes.float0), jnp.where(ids >= 0, dvals, 0.0))
 
 
-def index_topk_reference(q, k, w, q_seg, k_seg, topk: int, block_q: int = 0, q_idx=None):
+def index_topk_reference(q, k, w, q_seg, k_seg, topk: int, block_q: int, q_idx=None):
     """The XLA reference: the whole masked score matrix [B,S,T] at once and `lax.top_k` (block_q is unused)."""
     B, S = q.shape[:2]
     T = k.shape[1]

@@ -145,13 +145,12 @@ class MLA(nnx.Module):
             topk, _ = fns.index_topk(qi, ki, wi, q_seg, k_seg, cfg.index_topk, cfg.block_q, q_idx)
         o_lat, lse = fns.sparse_mla(q_abs, latent, topk, scale=cfg.softmax_scale, kv_lora_rank=cfg.kv_lora_rank,
                                     block_q=cfg.block_q)
-        stats = AttnStats()
-        if ctx.index_loss and cache is None:
-            stats = AttnStats(
-                attn_p=sparse_attention_probs(q_abs, latent, topk, lse, scale=cfg.softmax_scale, block_q=cfg.block_q),
-                index_logits=None if self.indexer is None else fns.gathered_index_logits(qi, ki, wi, topk,
-                                                                                          cfg.block_q))
-        return jnp.einsum("bshc,chv->bshv", o_lat, p.w_uv), topk, stats, cache
+        o = jnp.einsum("bshc,chv->bshv", o_lat, p.w_uv)
+        if not ctx.index_loss or cache is not None:
+            return o, topk, AttnStats(), cache
+        attn_p = sparse_attention_probs(q_abs, latent, topk, lse, scale=cfg.softmax_scale, block_q=cfg.block_q)
+        index_logits = None if self.indexer is None else fns.gathered_index_logits(qi, ki, wi, topk, cfg.block_q)
+        return o, topk, AttnStats(attn_p=attn_p, index_logits=index_logits), cache
 
 
 def write_rows(cache, rows, start):
