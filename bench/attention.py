@@ -39,6 +39,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from glmjax.config import ModelConfig
+from glmjax.model.backends import BACKENDS, Backend
 from glmjax.model.indexer import index_logits, index_topk, visible
 from glmjax.model.layers import rope_tables
 from glmjax.model.mla import MLA, Ctx, dense_mla
@@ -94,11 +95,11 @@ def split_layer(cfg: ModelConfig, has_indexer: bool):
     return graphdef, params, rest
 
 
-def grad_fn(graphdef, rest, mode: str):
-    """f(params, x, cos, sin, seg, topk, ct) -> (d params, d x) of sum(layer(x) * ct)."""
+def grad_fn(graphdef, rest, mode: str, backend: Backend | None = None):
+    """f(params, x, cos, sin, seg, topk, ct) -> (d params, d x) of sum(layer(x) * ct); backend: see Ctx."""
 
     def loss(params, x, cos, sin, seg, topk, ct):
-        out = nnx.merge(graphdef, params, rest)(x, Ctx(cos, sin, seg, mode), topk)[0]  # (out, topk, ...)
+        out = nnx.merge(graphdef, params, rest)(x, Ctx(cos, sin, seg, mode, backend=backend), topk)[0]  # (out, ..)
         return jnp.sum(out * ct)
 
     return jax.grad(loss, argnums=(0, 1))
@@ -300,14 +301,8 @@ def breakdown(seq_len: int, block_q: int, args) -> list[dict]:
 
     run("layer_fwd", shared_fwd, sp, x, cos, sin, seg, topk)
     if "proj_fb" in args.parts:
-        import glmjax.model.mla as mla_mod
-
-        saved = mla_mod.SPARSE_ATTENTION[cfg.attention_impl]
-        mla_mod.SPARSE_ATTENTION[cfg.attention_impl] = stub_sparse_attention
-        try:
-            run("proj_fb", grad_fn(sg, sr, "sparse"), sp, x, cos, sin, seg, topk, ct)
-        finally:
-            mla_mod.SPARSE_ATTENTION[cfg.attention_impl] = saved
+        stub = BACKENDS[cfg.attention_impl]._replace(sparse_mla=stub_sparse_attention)
+        run("proj_fb", grad_fn(sg, sr, "sparse", stub), sp, x, cos, sin, seg, topk, ct)
 
     q_nope = jax.random.normal(keys[5], (1, S, H, dn), jnp.float32) * 0.1
     q_pe = jax.random.normal(keys[6], (1, S, H, dr), jnp.float32) * 0.1

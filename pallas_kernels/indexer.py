@@ -1,6 +1,7 @@
 """Lightning-indexer top-k (SPEC B.6, F.9, F.10) as a Pallas TPU kernel with a streaming, exact top-k.
 
-Same contract as the XLA reference `glmjax.model.indexer.index_topk`: q [B,S,H_I,d_I], k [B,T,d_I],
+Same contract as the XLA reference `index_topk_reference` below (and `glmjax.model.indexer.index_topk`, the
+model's XLA path): q [B,S,H_I,d_I], k [B,T,d_I],
 w [B,S,H_I] (f32), segment ids q_seg [B,S] / k_seg [B,T], q_idx ([S] or [B,S], the cache slot of each query,
 default arange(S)) -> (indices [B,S,k'] int32, scores [B,S,k'] f32), k' = min(topk, T), highest score first, ties
 broken by the lowest key index, -1 / -inf in slots that have no visible key (key t is visible to query s iff
@@ -20,7 +21,8 @@ Key blocks that no query of the block can see are skipped, and their DMA elided 
 the earliest segment in the query block (packed sequences).
 
 The selected scores are differentiable (`jax.custom_jvp`): their tangent is that of the gathered index scores at
-the selected keys, as for `lax.top_k`'s values in the reference; the indices have none.
+the selected keys (`selected_scores`, plain XLA), as for `lax.top_k`'s values in the reference; the indices have
+none.
 
 Block sizes (K = k' rounded up to a power of two, at least 128):
 
@@ -41,7 +43,6 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from glmjax.model.indexer import gathered_index_logits as ref_gathered_index_logits
 from pallas_kernels.common import interpret_params, lane_padded, pad_axis, round_up, vmem_limit
 
 f32 = jnp.float32
@@ -57,7 +58,7 @@ def block_sizes(S: int, kk: int, block_q: int) -> tuple[int, int, int]:
 
 def index_topk(q, k, w, q_seg, k_seg, topk: int, block_q: int, q_idx=None, *,
                interpret: bool | str | None = None):
-    """Pallas lightning-indexer top-k; the signature of `glmjax.model.indexer.index_topk` (+ interpret)."""
+    """Pallas lightning-indexer top-k; the signature of `index_topk_reference` (+ interpret)."""
     B, S, HI, D = q.shape
     T = k.shape[1]
     if k.shape != (B, T, D) or w.shape != (B, S, HI):
@@ -82,8 +83,40 @@ def _index_topk_jvp(topk, block_q, interpret, primals, tangents):
     values do in the reference): the tangent of the gathered scores, O(S·k'·H_I·d_I)."""
     q, k, w = primals[:3]
     ids, vals = _index_topk(*primals, topk, block_q, interpret)
-    _, dvals = jax.jvp(lambda *a: ref_gathered_index_logits(*a, ids, block_q), (q, k, w), tuple(tangents[:3]))
+    _, dvals = jax.jvp(lambda *a: selected_scores(*a, ids, block_q), (q, k, w), tuple(tangents[:3]))
     return (ids, vals), (np.zeros(ids.shape, jax.dtypes.float0), jnp.where(ids >= 0, dvals, 0.0))
+
+
+def index_topk_reference(q, k, w, q_seg, k_seg, topk: int, block_q: int, q_idx=None):
+    """The XLA reference: the whole masked score matrix [B,S,T] at once and `lax.top_k` (block_q is unused)."""
+    B, S = q.shape[:2]
+    T = k.shape[1]
+    q_idx = jnp.broadcast_to(jnp.arange(S) if q_idx is None else q_idx, (B, S))
+    z = jnp.einsum("bshd,btd->bsht", q, k, preferred_element_type=f32)
+    s = jnp.einsum("bsht,bsh->bst", jax.nn.relu(z), w.astype(f32)) * q.shape[-1] ** -0.5
+    vis = (jnp.arange(T) <= q_idx[..., None]) & (q_seg[:, :, None] == k_seg[:, None, :])
+    vals, ids = jax.lax.top_k(jnp.where(vis, s, -jnp.inf), min(topk, T))
+    return jnp.where(vals == -jnp.inf, -1, ids).astype(jnp.int32), vals
+
+
+def selected_scores(q, k, w, ids, block_q: int):
+    """Index scores at the keys ids [B,S,k'] (>= 0 where used; other slots hold garbage) -> [B,S,k'] f32, in XLA,
+    `block_q` queries at a time (each block gathers only its [B,bq,k',d_I] key rows): the kernel's JVP."""
+    B, S = q.shape[:2]
+    bq = min(block_q, S)
+    Sp = round_up(S, bq)
+
+    def blocks(a):  # [B,S,...] -> [Sp/bq, B, bq, ...]
+        return jnp.moveaxis(pad_axis(a, 1, Sp).reshape((B, Sp // bq, bq) + a.shape[2:]), 1, 0)
+
+    def one_block(args):
+        qb, wb, ib = args
+        rows = jax.vmap(lambda kb, i: kb[i])(k, jnp.maximum(ib, 0))  # [B,bq,k',d_I]
+        z = jnp.einsum("bqhd,bqkd->bqhk", qb, rows, preferred_element_type=f32)
+        return jnp.einsum("bqhk,bqh->bqk", jax.nn.relu(z), wb) * q.shape[-1] ** -0.5
+
+    out = jax.lax.map(one_block, (blocks(q), blocks(w), blocks(ids)))
+    return jnp.moveaxis(out, 0, 1).reshape((B, Sp) + out.shape[3:])[:, :S]
 
 
 def _kernel_call(q, k, w, q_seg, k_seg, q_idx, topk, block_q, interpret):

@@ -1,6 +1,7 @@
 """Sparse MLA attention in MQA form (SPEC B.7, D.2) as Pallas TPU kernels, forward and backward.
 
-Same contract as the XLA reference `glmjax.model.sparse_attention.sparse_mla_xla`:
+Same contract as the XLA reference `sparse_mla_reference` below (and `glmjax.model.sparse_attention.sparse_mla_xla`,
+the model's XLA path):
 q [B,S,H,C] (absorbed nope part R + rope part, C = R + d_r = 576 for GLM-5), kv [B,T,C] latent cache,
 indices [B,S,k] int32 (-1 = ignore) -> out [B,S,H,R] (dtype of q), lse [B,S,H] f32 (-inf for a query with no
 valid index). Every head of a query attends over the same k gathered rows; values are the first R columns.
@@ -68,7 +69,7 @@ def block_sizes(S: int, K: int, block_q: int, backward: bool, block_k: int | Non
 
 def sparse_mla(q, kv, indices, *, scale: float, kv_lora_rank: int, block_q: int = 256,
                interpret: bool | str | None = None, block_k: int | None = None):
-    """Pallas sparse MLA attention; the signature of `sparse_mla_xla`, plus interpret (None = auto, see
+    """Pallas sparse MLA attention; the signature of `sparse_mla_reference`, plus interpret (None = auto, see
     `common.interpret_params`) and block_k (rows per gathered chunk, default from the table). Differentiable in q
     and kv, through out and lse."""
     B, S, H, C = q.shape
@@ -83,6 +84,23 @@ def sparse_mla(q, kv, indices, *, scale: float, kv_lora_rank: int, block_q: int 
                          f"(T*{round_up(C, 128)}*4 bytes must be <= {MAX_ACC_BYTES})")
     blocks = (int(block_q), None if block_k is None else int(block_k))
     return _sparse_mla(q, kv, indices, float(scale), int(kv_lora_rank), blocks, interpret)
+
+
+def sparse_mla_reference(q, kv, indices, *, scale: float, kv_lora_rank: int, block_q: int = 256):
+    """The XLA reference: every query at once, its k rows gathered ([B,S,k,C]), a masked softmax (block_q is
+    unused). Differentiable by JAX."""
+    rows = jax.vmap(lambda cache, ids: cache[ids])(kv, jnp.maximum(indices, 0))  # [B,S,k,C]
+    s = jnp.einsum("bshc,bskc->bshk", q, rows, preferred_element_type=f32) * scale
+    s = jnp.where((indices >= 0)[:, :, None, :], s, -jnp.inf)
+    m = jnp.max(s, axis=-1)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)  # [B,S,H]; 0 for a query with no valid index
+    p = jnp.exp(s - m[..., None])
+    l = jnp.sum(p, axis=-1)
+    l_safe = jnp.where(l > 0, l, 1.0)
+    out = jnp.einsum("bshk,bskr->bshr", p.astype(q.dtype), rows[..., :kv_lora_rank], preferred_element_type=f32)
+    out = out / l_safe[..., None]
+    lse = jnp.where(l > 0, m + jnp.log(l_safe), -jnp.inf)
+    return out.astype(q.dtype), lse
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))

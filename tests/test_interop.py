@@ -15,12 +15,12 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-import glmjax.model.mla as mla_mod  # noqa: E402
 from glmjax.config import ModelConfig  # noqa: E402
 from glmjax.interop import (HFCheckpointError, config_from_hf, config_to_hf, dequantize_fp8, load_hf,  # noqa: E402
                             logical_sharding, save_hf)
 from glmjax.interop import hf as hf_mod  # noqa: E402
 from glmjax.model import Batch  # noqa: E402
+from glmjax.model.backends import XLA  # noqa: E402
 from glmjax.model.indexer import index_logits  # noqa: E402
 
 S = 48  # > index_topk: the indexer really selects (SPEC A.5 rule 1)
@@ -199,32 +199,30 @@ def hf_forward(model, tok):
     return logits, used
 
 
-def ours_forward(model, tok, monkeypatch):
+def ours_forward(model, tok):
     """-> logits, per-layer indices used [B,S,k'] (-1 = none), per-layer index scores [B,S,T] of the full layer
-    that produced them. Layers unrolled (scan_layers=False) so each layer's values can be returned from the jit."""
+    that produced them. Layers unrolled (scan_layers=False) so each layer's values can be returned from the jit; a
+    recording XLA backend sees what each layer selects and attends to."""
     used, qkw = [], []
-    sparse, topk = mla_mod.SPARSE_ATTENTION["xla"], mla_mod.INDEX_TOPK["xla"]
 
     def rec_sparse(q, kv, idx, **kw):
         used.append(idx)
-        return sparse(q, kv, idx, **kw)
+        return XLA.sparse_mla(q, kv, idx, **kw)
 
     def rec_topk(q, k, w, *a, **kw):
         qkw.append((q, k, w))
-        return topk(q, k, w, *a, **kw)
+        return XLA.index_topk(q, k, w, *a, **kw)
 
-    monkeypatch.setitem(mla_mod.SPARSE_ATTENTION, "xla", rec_sparse)
-    monkeypatch.setitem(mla_mod.INDEX_TOPK, "xla", rec_topk)
+    recording = XLA._replace(index_topk=rec_topk, sparse_mla=rec_sparse)
 
     @nnx.jit
     def run(m, b):
         used.clear()
         qkw.clear()
-        h, _ = m(b, "sparse")
+        h, _ = m(b, "sparse", backend=recording)
         return m.logits(h), list(used), [index_logits(*a) for a in qkw]
 
     logits, ids, scores = run(model, batch_of(tok))
-    monkeypatch.undo()
     types = model.cfg.layer_indexer_types
     per_layer, it = [], iter(scores)
     for t in types:
@@ -248,9 +246,9 @@ def topk_mismatches(ours, hf, scores):
     return bad
 
 
-def assert_parity(model, hf_model, tok, monkeypatch):
+def assert_parity(model, hf_model, tok):
     ref, hf_used = hf_forward(hf_model, tok)
-    logits, used, scores = ours_forward(model, tok, monkeypatch)
+    logits, used, scores = ours_forward(model, tok)
     assert len(used) == len(hf_used) == model.cfg.num_hidden_layers
     for i, (u, h, s) in enumerate(zip(used, hf_used, scores)):
         assert not topk_mismatches(u, h, s), f"layer {i}: top-k sets differ"
@@ -259,31 +257,31 @@ def assert_parity(model, hf_model, tok, monkeypatch):
     return err
 
 
-def test_glm_parity_full_and_shared_layers(ckpts, tokens, monkeypatch):
+def test_glm_parity_full_and_shared_layers(ckpts, tokens):
     hf_model, _, _, path = ckpts["glm"]
     model, layout = load_hf(path, overrides={"scan_layers": False})
     assert model.cfg.layer_indexer_types == ("full", "full", "shared", "shared", "full", "shared")
     assert model.cfg.latent_norm_eps == 1e-6 and model.cfg.rms_norm_eps == 1e-5  # HF's q_a/kv_a eps (SPEC F-4)
     assert model.stacks[1].units.layers[1].self_attn.indexer is None
-    err = assert_parity(model, hf_model, tokens, monkeypatch)
+    err = assert_parity(model, hf_model, tokens)
     print(f"glm_moe_dsa max |logit diff| = {err:.2e}")
 
 
-def test_dsv32_parity_halfsplit_indexer_yarn_groups(ckpts, tokens, monkeypatch):
+def test_dsv32_parity_halfsplit_indexer_yarn_groups(ckpts, tokens):
     hf_model, _, _, path = ckpts["ds"]
     model, _ = load_hf(path, overrides={"scan_layers": False})
     cfg = model.cfg
     assert not cfg.indexer_rope_interleave and cfg.rope_interleave and cfg.yarn and cfg.n_group == 4
     assert set(cfg.layer_indexer_types) == {"full"}
-    err = assert_parity(model, hf_model, tokens, monkeypatch)
+    err = assert_parity(model, hf_model, tokens)
     print(f"deepseek_v32 max |logit diff| = {err:.2e}")
 
 
-def test_wrong_indexer_rope_layout_fails_the_topk_check(ckpts, tokens, monkeypatch):
+def test_wrong_indexer_rope_layout_fails_the_topk_check(ckpts, tokens):
     hf_model, _, _, path = ckpts["glm"]
     model, _ = load_hf(path, overrides={"scan_layers": False, "indexer_rope_interleave": False})
     ref, hf_used = hf_forward(hf_model, tokens)
-    logits, used, scores = ours_forward(model, tokens, monkeypatch)
+    logits, used, scores = ours_forward(model, tokens)
     bad = [len(topk_mismatches(u, h, sc)) for u, h, sc in zip(used, hf_used, scores)]
     assert bad[0] > 0  # already layer 0 selects differently
     err = float(np.max(np.abs(logits - ref)))

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import glmjax.model.mla as mla_mod
 from glmjax.model import GLM, Batch, plan_stacks
+from glmjax.model.backends import XLA
 from glmjax.model.transformer import shifted_targets, token_nll
 from helpers import batch_from_docs, random_batch, tiny
 
@@ -24,7 +24,7 @@ def test_shapes_and_dtypes(model):
     cfg = model.cfg
     b = random_batch(cfg, 2, 48)
     h, aux = forward(model, b, "sparse")
-    loads = aux["expert_load"]
+    loads = aux.expert_load
     assert h.shape == (2, 48, cfg.hidden_size) and h.dtype == jnp.float32
     assert loads.shape == (5, cfg.n_routed_experts)  # 5 MoE layers (first_k_dense_replace=1)
     assert int(loads.sum()) == 5 * 2 * 48 * cfg.num_experts_per_tok
@@ -53,18 +53,16 @@ def test_causality(model, mode):
     assert float(jnp.max(jnp.abs(l0[:, p:] - l1[:, p:]))) > 1e-3  # the change is visible from p on
 
 
-def test_indexshare_reuses_exactly_the_previous_full_layers_indices(monkeypatch):
+def test_indexshare_reuses_exactly_the_previous_full_layers_indices():
     cfg = tiny(scan_layers=False)
     model = GLM(cfg, nnx.Rngs(1))
     seen = []
-    xla = mla_mod.SPARSE_ATTENTION["xla"]
 
-    def recording(q, kv, indices, **kw):
+    def recording(q, kv, indices, **kw):  # the indices each layer's sparse attention is called with
         seen.append(np.asarray(indices))
-        return xla(q, kv, indices, **kw)
+        return XLA.sparse_mla(q, kv, indices, **kw)
 
-    monkeypatch.setitem(mla_mod.SPARSE_ATTENTION, "xla", recording)
-    model(random_batch(cfg, 2, 48, seed=4), "sparse")
+    model(random_batch(cfg, 2, 48, seed=4), "sparse", backend=XLA._replace(sparse_mla=recording))
     assert len(seen) == 6
     types = cfg.layer_indexer_types  # F F S S F S
     assert types == ("full", "full", "shared", "shared", "full", "shared")

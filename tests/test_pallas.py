@@ -1,10 +1,13 @@
-"""Pallas DSA kernels (pallas_kernels/) in interpret mode against their XLA references.
+"""Pallas DSA kernels (pallas_kernels/) in interpret mode against their XLA references (the kernel modules' own, and
+the model's XLA functions that the "xla" backend uses).
 
 "checked" = Pallas' TPU interpreter with out-of-bounds reads raising, NaN-poisoned uninitialised memory and DMA race
 detection (the kernels' DMAs really run, one row at a time, ~10 ms each on CPU: small shapes); "fast" = the
 discharge interpreter (same kernel code as plain XLA ops) for the bf16, multi-chunk and whole-model cases.
 """
 import functools
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -19,10 +22,9 @@ from jax.experimental.pallas import tpu as pltpu
 import pallas_kernels
 from glmjax.model import GLM
 from glmjax.model import indexer as ref_indexer
-from glmjax.model.mla import kernels
 from glmjax.model.sparse_attention import sparse_mla_xla
-from helpers import batch_from_docs, tiny
-from pallas_kernels import gathered_index_logits, index_topk, sparse_mla
+from helpers import batch_from_docs, random_batch, tiny
+from pallas_kernels import index_topk, index_topk_reference, sparse_mla, sparse_mla_reference
 
 
 def segments(B, lengths):
@@ -70,7 +72,7 @@ def test_sparse_mla_forward_f32_checked():
     assert (idx[:, :4] == -1).any() and ((idx[:, -1] >= 0).sum(-1) >= K_MLA // 2).all()  # short and full rows
     out, lse = jax.jit(lambda *a: sparse_mla(*a, scale=SCALE, kv_lora_rank=R, interpret="checked"))(q, kv, idx)
     assert no_races()
-    ref_out, ref_lse = sparse_mla_xla(q, kv, idx, scale=SCALE, kv_lora_rank=R)
+    ref_out, ref_lse = sparse_mla_reference(q, kv, idx, scale=SCALE, kv_lora_rank=R)
     assert out.shape == (B_MLA, S_MLA, H, R) and lse.shape == (B_MLA, S_MLA, H)
     np.testing.assert_allclose(out, ref_out, atol=1e-5, rtol=1e-5)
     np.testing.assert_array_equal(jnp.isinf(lse), jnp.isinf(ref_lse))
@@ -90,7 +92,7 @@ def test_sparse_mla_grads_f32_checked():
     ct = jax.random.normal(jax.random.key(7), (B_MLA, S_MLA, H, R))
     dq, dkv = jax.jit(jax.grad(mla_loss(sparse_mla, idx, ct, interpret="checked"), (0, 1)))(q, kv)
     assert no_races()  # about the backward kernel, which ran last
-    rq, rkv = jax.jit(jax.grad(mla_loss(sparse_mla_xla, idx, ct), (0, 1)))(q, kv)
+    rq, rkv = jax.jit(jax.grad(mla_loss(sparse_mla_reference, idx, ct), (0, 1)))(q, kv)
     np.testing.assert_allclose(dq, rq, atol=1e-4, rtol=1e-4)
     np.testing.assert_allclose(dkv, rkv, atol=1e-4, rtol=1e-4)
     selected = jnp.zeros((B_MLA, S_MLA), bool).at[jnp.arange(B_MLA)[:, None, None],
@@ -106,9 +108,9 @@ def test_sparse_mla_multi_chunk_and_bf16_fast(block_k):
     @jax.jit
     def both(q, kv, idx):
         kw = dict(interpret="fast", block_k=block_k)
-        return (sparse_mla(q, kv, idx, scale=SCALE, kv_lora_rank=R, **kw), sparse_mla_xla(q, kv, idx, scale=SCALE,
+        return (sparse_mla(q, kv, idx, scale=SCALE, kv_lora_rank=R, **kw), sparse_mla_reference(q, kv, idx, scale=SCALE,
                 kv_lora_rank=R), jax.grad(mla_loss(sparse_mla, idx, ct, **kw), (0, 1))(q, kv),
-                jax.grad(mla_loss(sparse_mla_xla, idx, ct), (0, 1))(q, kv))
+                jax.grad(mla_loss(sparse_mla_reference, idx, ct), (0, 1))(q, kv))
 
     for dtype, tol_out, tol_grad in [(jnp.float32, 1e-5, 1e-4), (jnp.bfloat16, 3e-2, 6e-2)]:
         (out, lse), (ref_out, ref_lse), g, rg = both(*mla_inputs(dtype, B, S, K, seed=1))
@@ -180,7 +182,7 @@ def test_index_topk_packed_ragged_checked():
     q, k, w = indexer_inputs(B, S, S)
     seg = segments(B, [60, 9, 81])
     got = jax.jit(lambda *a: index_topk(*a, seg, seg, K, 64, interpret="checked"))(q, k, w)
-    want = jax.jit(lambda *a: ref_indexer.index_topk(*a, seg, seg, K, 64))(q, k, w)
+    want = jax.jit(lambda *a: index_topk_reference(*a, seg, seg, K, 64))(q, k, w)
     assert_topk_equal(got, want)
     ids = got[0]
     assert (ids[:, 0, 1:] == -1).all() and (ids[:, 0, 0] == 0).all()  # first row sees only itself
@@ -199,7 +201,7 @@ def test_index_topk_skips_key_blocks_before_the_earliest_document_start():
     q, k, w = indexer_inputs(B, S, S, seed=5)
     seg = segments(B, [100, 200, 100])
     got = jax.jit(lambda *a: index_topk(*a, seg, seg, K, 64, interpret="fast"))(q, k, w)
-    want = jax.jit(lambda *a: ref_indexer.index_topk(*a, seg, seg, K, 64))(q, k, w)
+    want = jax.jit(lambda *a: index_topk_reference(*a, seg, seg, K, 64))(q, k, w)
     ids = want[0][0]
     assert ((ids[256:300] >= 100) & (ids[256:300] < 256)).any()  # document 2's queries there select early keys
     assert ((ids[300:] == -1) | (ids[300:] >= 300)).all()
@@ -210,7 +212,7 @@ def test_index_topk_ties_are_deterministic_and_lowest_index_first():
     B, S, K = 1, 140, 16
     q, k, w = indexer_inputs(B, S, S, seed=2, dyadic=True)
     seg = jnp.ones((B, S), jnp.int32)
-    want = jax.jit(lambda *a: ref_indexer.index_topk(*a, seg, seg, K, 32))(q, k, w)
+    want = jax.jit(lambda *a: index_topk_reference(*a, seg, seg, K, 32))(q, k, w)
     vals, kth = want[1][0], want[1][0][:, -1:]
     assert (jnp.isfinite(vals[:, 1:]) & (vals[:, :-1] == vals[:, 1:])).sum() > 200  # many exact ties in the lists
     tied = (ref_indexer.index_scores(q, k, w, seg, seg)[0] == kth).sum(-1)  # keys scoring exactly the k-th score
@@ -231,7 +233,7 @@ def test_index_topk_decode_cache_and_short_cache():
     @functools.partial(jax.jit, static_argnums=0)
     def both(topk, q, k, w, q_seg, k_seg, q_idx=None):
         return (index_topk(q, k, w, q_seg, k_seg, topk, 256, q_idx, interpret="fast"),
-                ref_indexer.index_topk(q, k, w, q_seg, k_seg, topk, 256, q_idx))
+                index_topk_reference(q, k, w, q_seg, k_seg, topk, 256, q_idx))
 
     got, want = both(K, q, k, w, q_seg, k_valid, q_idx)
     assert_topk_equal(got, want)
@@ -254,42 +256,61 @@ def test_index_topk_score_gradients():
         return lambda q, k, w: jnp.sum(finite(fn(q, k, w, seg, seg, K, 16, **kw)[1]) * ct)
 
     g = jax.jit(jax.grad(loss(index_topk, interpret="fast"), (0, 1, 2)))(q, k, w)
-    rg = jax.jit(jax.grad(loss(ref_indexer.index_topk), (0, 1, 2)))(q, k, w)
+    rg = jax.jit(jax.grad(loss(index_topk_reference), (0, 1, 2)))(q, k, w)
     for a, b in zip(g, rg):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
 
 
-# ------------------------------------------------------------------------------------------------ gathered scores
+# ------------------------------------------------------------------------------------------------ the references
 
 
-def test_gathered_index_logits_values_and_custom_vjp():
-    B, S, K = 2, 37, 9
-    q, k, w = indexer_inputs(B, S, S, seed=6)
-    idx = select(jax.random.key(1), segments(B, [17, 20]), K, holes=0.2)
-    got = jax.jit(gathered_index_logits, static_argnums=4)(q, k, w, idx, 8)
-    dense = ref_indexer.index_logits(q, k, w)  # independent: the full [B,S,T] score matrix, gathered
-    want = jnp.where(idx >= 0, jnp.take_along_axis(dense, jnp.maximum(idx, 0), axis=2), -jnp.inf)
-    np.testing.assert_array_equal(jnp.isinf(got), idx < 0)
-    np.testing.assert_allclose(finite(got), finite(want), atol=1e-5, rtol=1e-5)
-
-    ct = jax.random.normal(jax.random.key(2), (B, S, K))
-
-    def loss(fn):  # a KL-like use: the -inf slots are masked by the caller, their cotangent is 0 or garbage
-        return lambda q, k, w: jnp.sum(jnp.where(idx >= 0, fn(q, k, w, idx, 8) * ct, 0.0))
-
-    assert "custom_vjp_call" in str(jax.make_jaxpr(gathered_index_logits, static_argnums=4)(q, k, w, idx, 8))
-    g = jax.jit(jax.grad(loss(gathered_index_logits), (0, 1, 2)))(q, k, w)
-    rg = jax.jit(jax.grad(loss(ref_indexer.gathered_index_logits), (0, 1, 2)))(q, k, w)
+def test_references_equal_the_models_xla_functions():
+    """The kernels' own references and the model's blocked XLA functions (the "xla" backend) agree: values and
+    gradients of sparse MLA, and the top-k indices slot for slot (packed, ties, cache slots)."""
+    q, kv, idx = mla_inputs(B=2, S=29, K=24, seed=1)
+    ct = jax.random.normal(jax.random.key(3), (2, 29, H, R))
+    for a, b in zip(sparse_mla_reference(q, kv, idx, scale=SCALE, kv_lora_rank=R),
+                    sparse_mla_xla(q, kv, idx, scale=SCALE, kv_lora_rank=R, block_q=8)):
+        np.testing.assert_allclose(finite(a), finite(b), atol=1e-5, rtol=1e-5)
+    g = jax.grad(mla_loss(sparse_mla_reference, idx, ct), (0, 1))(q, kv)
+    rg = jax.grad(mla_loss(sparse_mla_xla, idx, ct, block_q=8), (0, 1))(q, kv)
     for a, b in zip(g, rg):
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
+
+    q, k, w = indexer_inputs(1, 140, 140, seed=2, dyadic=True)
+    seg = segments(1, [60, 80])
+    assert_topk_equal(index_topk_reference(q, k, w, seg, seg, 16, 32),
+                      ref_indexer.index_topk(q, k, w, seg, seg, 16, 32))
+    q, k, w = indexer_inputs(2, 3, 200, seed=3)
+    q_idx = jnp.array([[150, 151, 152], [197, 198, 199]], jnp.int32)
+    k_valid = (jnp.arange(200) < q_idx[:, -1:] + 1).astype(jnp.int32).at[:, 10:20].set(0)
+    q_seg = jnp.ones((2, 3), jnp.int32)
+    assert_topk_equal(index_topk_reference(q, k, w, q_seg, k_valid, 24, 256, q_idx),
+                      ref_indexer.index_topk(q, k, w, q_seg, k_valid, 24, 256, q_idx))
 
 
 # ------------------------------------------------------------------------------------------------ the model
 
 
-def test_pallas_registers_in_the_dispatch_tables():
-    assert kernels("pallas") == (index_topk, sparse_mla, gathered_index_logits)
-    assert kernels("xla") == (ref_indexer.index_topk, sparse_mla_xla, ref_indexer.gathered_index_logits)
+def test_pallas_kernels_import_nothing_of_glmjax():
+    code = "import sys, pallas_kernels; print(sorted(m for m in sys.modules if m.split('.')[0] == 'glmjax'))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_attention_impl_selects_the_kernels():
+    """The whole model in sparse mode with the indexer KL traces the two Pallas kernels with attention_impl="pallas",
+    and none with "xla"."""
+    def jaxpr(impl):
+        cfg = tiny(attention_impl=impl, num_hidden_layers=2, indexer_types=("full", "shared"), mtp_depth=0,
+                   num_nextn_predict_layers=0)
+        model = GLM(cfg, nnx.Rngs(0))
+        batch = random_batch(model.cfg, 1, 16)
+        return str(jax.make_jaxpr(lambda: model.loss(batch, "sparse", index_loss_weight=1.0))())
+
+    pallas = jaxpr("pallas")
+    assert "pallas_call" in pallas and "name=index_topk" in pallas and "name=sparse_mla_fwd" in pallas
+    assert "pallas_call" not in jaxpr("xla")
 
 
 def train_losses(impl: str, steps: int = 3):

@@ -145,10 +145,10 @@ def test_full_layer_distils_toward_the_mean_attention_of_the_layers_it_serves(mo
     captured = []
     real = tr.unit_index_loss
 
-    def spy(auxs, ctx):
-        captured.append(([np.asarray(a["attn_p"], np.float64) for a in auxs],
-                         np.asarray(auxs[0]["index_logits"], np.float64)))
-        real(auxs, ctx)
+    def spy(stats, ctx):
+        captured.append(([np.asarray(st.attn_p, np.float64) for st in stats],
+                         np.asarray(stats[0].index_logits, np.float64)))
+        return real(stats, ctx)
 
     monkeypatch.setattr(tr, "unit_index_loss", spy)
     kl = np.asarray(model.loss(batch, mode, index_loss_weight=1.0)[1]["index_kl_per_layer"])

@@ -12,8 +12,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from glmjax.config import ModelConfig
+from glmjax.model.blocks import from_blocks, to_blocks
 from glmjax.model.layers import LayerNorm, apply_rope, dense, dtype_of, f32, normal_param
-from glmjax.model.sparse_attention import from_blocks, to_blocks
 
 NEG_INF = -jnp.inf
 
@@ -72,17 +72,9 @@ def index_topk(q, k, w, q_seg, k_seg, topk: int, block_q: int, q_idx=None):
     Only [B, block_q, H_I, T] is live per block; the scores never reach HBM as [B,S,T].
     """
     B, S = q.shape[:2]
-    T = k.shape[1]
-    kk = min(topk, T)
+    kk = min(topk, k.shape[1])
     q_idx = jnp.arange(S) if q_idx is None else q_idx
     bq = min(block_q, S)
-    nb = -(-S // bq)
-    pad = nb * bq - S
-
-    def blocks(a, axis=1):
-        a = jnp.pad(a, [(0, pad) if i == axis else (0, 0) for i in range(a.ndim)])
-        a = a.reshape(a.shape[:axis] + (nb, bq) + a.shape[axis + 1:])
-        return jnp.moveaxis(a, axis, 0)
 
     def one_block(args):
         qb, wb, segb, idxb = args
@@ -91,10 +83,9 @@ def index_topk(q, k, w, q_seg, k_seg, topk: int, block_q: int, q_idx=None):
         return jnp.where(vals == NEG_INF, -1, ids).astype(jnp.int32), vals
 
     q_idx = jnp.broadcast_to(q_idx, (B, S))
-    ids, vals = jax.lax.map(one_block, (blocks(q), blocks(w), blocks(q_seg), blocks(q_idx)))
-    ids = jnp.moveaxis(ids, 0, 1).reshape(B, nb * bq, kk)[:, :S]
-    vals = jnp.moveaxis(vals, 0, 1).reshape(B, nb * bq, kk)[:, :S]
-    return ids, vals
+    ids, vals = jax.lax.map(one_block, (to_blocks(q, bq), to_blocks(w, bq), to_blocks(q_seg, bq),
+                                        to_blocks(q_idx, bq)))
+    return from_blocks(ids, S), from_blocks(vals, S)
 
 
 def gathered_index_logits(q, k, w, indices, block_q: int = 256):
@@ -111,7 +102,7 @@ def gathered_index_logits(q, k, w, indices, block_q: int = 256):
         s = jnp.einsum("bqhk,bqh->bqk", jax.nn.relu(s), wb) * q.shape[-1] ** -0.5
         return jnp.where(ib >= 0, s, NEG_INF)
 
-    out = jax.lax.map(one_block, (to_blocks(q, bq), to_blocks(w, bq), to_blocks(indices, bq)))
+    out = jax.lax.map(one_block, (to_blocks(q, bq), to_blocks(w, bq), to_blocks(indices, bq, -1)))
     return from_blocks(out, q.shape[1])
 
 

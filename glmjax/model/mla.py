@@ -1,6 +1,7 @@
 """Multi-head latent attention (SPEC B.4) with DeepSeek Sparse Attention (B.6-B.8).
 
-mode "dense":  plain causal MLA with per-head keys/values expanded from the latent (training, dense warm-up).
+mode "dense":  plain causal MLA with per-head keys/values expanded from the latent (training, dense warm-up);
+               against a cache (prefill / decode), absorbed attention over every visible cache row.
 mode "sparse": the layer's indexer (or, on an IndexShare "shared" layer, the previous full layer's indices)
                selects k keys per query; attention gathers those k rows of the 576-d latent cache in MQA form.
 """
@@ -13,21 +14,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from glmjax.config import ModelConfig
-from glmjax.model.indexer import Indexer, gathered_index_logits, index_scores, index_topk, masked_topk, visible
+from glmjax.model.backends import BACKENDS, Backend
+from glmjax.model.indexer import Indexer, index_scores, index_topk, masked_topk, visible
 from glmjax.model.layers import RMSNorm, apply_rope, dense, dtype_of, f32, normal_param
-from glmjax.model.sparse_attention import sparse_attention_probs, sparse_mla_xla
-
-SPARSE_ATTENTION = {"xla": sparse_mla_xla}
-INDEX_TOPK = {"xla": index_topk}
-GATHERED_INDEX_LOGITS = {"xla": gathered_index_logits}
-
-
-def kernels(impl: str):
-    """(index top-k, sparse attention, gathered index scores) of `attention_impl`; the Pallas kernels register
-    on first use."""
-    if impl not in SPARSE_ATTENTION:
-        import pallas_kernels  # noqa: F401  (adds "pallas" to the tables)
-    return INDEX_TOPK[impl], SPARSE_ATTENTION[impl], GATHERED_INDEX_LOGITS[impl]
+from glmjax.model.sparse_attention import sparse_attention_probs
 
 
 class Ctx(NamedTuple):
@@ -39,8 +29,30 @@ class Ctx(NamedTuple):
     mode: str  # "dense" | "sparse"
     q_idx: jax.Array | None = None  # [B,S] cache slot of each new token (cache only; consecutive per row)
     kv_valid: jax.Array | None = None  # [B,T] int32, 1 where the cache slot holds a key (after this write)
-    index_loss: bool = False  # training with an indexer KL: layers return its inputs ("attn_p", "index_logits")
-    topk_stats: bool = False  # diagnostics (dense mode): layers return "attn_topk", full layers "index_topk"
+    index_loss: bool = False  # training with an indexer KL: layers return its inputs (attn_p, index_logits)
+    topk_stats: bool = False  # diagnostics (dense mode): layers return attn_topk, full layers index_topk
+    backend: Backend | None = None  # sparse-mode functions; None: BACKENDS[cfg.attention_impl]
+
+
+class AttnStats(NamedTuple):
+    """What an attention layer reports besides its output; None where its mode and the Ctx flags produce nothing."""
+    max_logit: jax.Array | None = None  # () largest attention logit, no gradient (dense training)
+    attn_p: jax.Array | None = None  # ctx.index_loss: head-mean attention probabilities, no gradient, [B,S,T]
+    #                                  dense, [B,S,k] over the selected keys sparse
+    index_logits: jax.Array | None = None  # ctx.index_loss, full layers: index scores of the same keys, differentiable
+    attn_topk: jax.Array | None = None  # ctx.topk_stats (dense): [B,S,k] top-k keys of attn_p
+    index_topk: jax.Array | None = None  # ctx.topk_stats (dense), full layers: [B,S,k] the indexer's top-k
+
+
+class Projected(NamedTuple):
+    """The query / latent projections of one layer call (RoPE applied) and the up-projection slices."""
+    q_resid: jax.Array  # [B,S,r_q] (normed), the indexer's query input
+    q_nope: jax.Array  # [B,S,H,d_n]
+    q_pe: jax.Array  # [B,S,H,d_r]
+    c_kv: jax.Array  # [B,S,r_kv] (normed)
+    k_pe: jax.Array  # [B,S,d_r]
+    w_uk: jax.Array  # [r_kv,H,d_n]
+    w_uv: jax.Array  # [r_kv,H,d_v]
 
 
 class MLA(nnx.Module):
@@ -61,64 +73,84 @@ class MLA(nnx.Module):
     def __call__(self, x: jax.Array, ctx: Ctx, topk: jax.Array, cache: dict | None = None):
         """x [B,S,D] (normed), topk [B,S,k'] indices of the previous full layer, cache None (keys = this sequence)
         or {"latent": [B,T,r_kv+d_r], "index_k": [B,T,d_I] on full layers} (the new rows are written first)
-        -> out [B,S,D], topk used, stats, cache. stats: "max_logit" (largest attention logit, dense training);
-        with ctx.index_loss "attn_p" (head-mean attention probabilities, no gradient: [B,S,T] dense, [B,S,k] over
-        the selected keys sparse) and on full layers "index_logits" (same shape, differentiable); with
-        ctx.topk_stats (dense) "attn_topk" (top-k keys of attn_p) and on full layers "index_topk"."""
+        -> out [B,S,D], topk used, AttnStats, cache."""
+        if ctx.mode not in ("dense", "sparse"):
+            raise ValueError(f"attention mode {ctx.mode!r}: must be 'dense' or 'sparse'")
+        p = self.project(x, ctx)
+        latent = jnp.concatenate([p.c_kv, p.k_pe], axis=-1)  # [B,S,576]: the MLA cache row of each token (SPEC D.1)
+        if cache is not None:
+            cache = dict(cache, latent=write_rows(cache["latent"], latent, ctx.q_idx[:, 0]))
+            latent = cache["latent"]
+        if ctx.mode == "dense" and cache is None:
+            o, stats = self.dense_training(x, p, ctx)
+        elif ctx.mode == "dense":
+            o, stats = self.dense_cached(p, ctx, latent), AttnStats()
+        else:
+            o, topk, stats, cache = self.sparse(x, p, ctx, latent, topk, cache)
+        return dense(o, self.o_proj[...], "bshv,hvd->bsd", dtype_of(self.cfg.dtype)), topk, stats, cache
+
+    def project(self, x, ctx: Ctx) -> Projected:
         cfg, dt = self.cfg, dtype_of(self.cfg.dtype)
         d_n, r_kv = cfg.qk_nope_head_dim, cfg.kv_lora_rank
         q_resid = self.q_a_layernorm(dense(x, self.q_a_proj[...], "bsd,dr->bsr", dt))
         q = dense(q_resid, self.q_b_proj[...], "bsr,rhd->bshd", dt)
-        q_nope = q[..., :d_n]
         q_pe = apply_rope(q[..., d_n:], ctx.cos, ctx.sin, cfg.rope_interleave)  # nope first, rope last
         ckv = dense(x, self.kv_a_proj_with_mqa[...], "bsd,dc->bsc", dt)
         c_kv = self.kv_a_layernorm(ckv[..., :r_kv])
         k_pe = apply_rope(ckv[..., r_kv:], ctx.cos, ctx.sin, cfg.rope_interleave)
         w_kv = self.kv_b_proj[...].astype(dt)
-        w_uk, w_uv = w_kv[..., :d_n], w_kv[..., d_n:]  # [r_kv,H,d_n], [r_kv,H,d_v]
-        latent = jnp.concatenate([c_kv, k_pe], axis=-1)  # [B,S,576]: the MLA cache row of each token (SPEC D.1)
-        q_seg, k_seg, q_idx = ctx.segment_ids, ctx.segment_ids, None
-        if cache is not None:
-            cache = dict(cache, latent=write_rows(cache["latent"], latent, ctx.q_idx[:, 0]))
-            latent, k_seg, q_idx = cache["latent"], ctx.kv_valid, ctx.q_idx
+        return Projected(q_resid, q[..., :d_n], q_pe, c_kv, k_pe, w_kv[..., :d_n], w_kv[..., d_n:])
 
-        stats = {}
-        if ctx.mode == "dense" and cache is None:
-            o, stats["max_logit"], p = dense_mla(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, ctx.segment_ids,
-                                                 cfg.softmax_scale)
-            if ctx.index_loss or ctx.topk_stats:
-                indexer = self.indexer and self.indexer(x, q_resid, ctx.cos, ctx.sin)
-                if ctx.index_loss:
-                    stats["attn_p"] = p
-                    if indexer:
-                        stats["index_logits"] = index_scores(*indexer, q_seg, q_seg)
-                if ctx.topk_stats:
-                    vis = visible(q_seg, q_seg, jnp.arange(x.shape[1]))
-                    stats["attn_topk"] = masked_topk(jnp.where(vis, p, -jnp.inf), cfg.index_topk)
-                    if indexer:
-                        stats["index_topk"] = index_topk(*indexer, q_seg, q_seg, cfg.index_topk, cfg.block_q)[0]
-        elif ctx.mode in ("dense", "sparse"):
-            q_abs = jnp.concatenate([jnp.einsum("bshd,chd->bshc", q_nope, w_uk), q_pe], axis=-1)  # [B,S,H,576]
-            if ctx.mode == "dense":  # absorbed attention over every visible cache row (SPEC D.2)
-                o_lat = dense_mla_absorbed(q_abs, latent, visible(q_seg, k_seg, q_idx), cfg.softmax_scale, r_kv)
-            else:
-                topk_fn, attend, gathered_scores = kernels(cfg.attention_impl)
-                if self.indexer is not None:
-                    qi, ki, wi = self.indexer(x, q_resid, ctx.cos, ctx.sin)
-                    if cache is not None:
-                        cache["index_k"] = write_rows(cache["index_k"], ki, ctx.q_idx[:, 0])
-                        ki = cache["index_k"]
-                    topk, _ = topk_fn(qi, ki, wi, q_seg, k_seg, cfg.index_topk, cfg.block_q, q_idx)
-                o_lat, lse = attend(q_abs, latent, topk, scale=cfg.softmax_scale, kv_lora_rank=r_kv, block_q=cfg.block_q)
-                if ctx.index_loss and cache is None:
-                    stats["attn_p"] = sparse_attention_probs(q_abs, latent, topk, lse, scale=cfg.softmax_scale,
-                                                             block_q=cfg.block_q)
-                    if self.indexer is not None:
-                        stats["index_logits"] = gathered_scores(qi, ki, wi, topk, cfg.block_q)
-            o = jnp.einsum("bshc,chv->bshv", o_lat, w_uv)
-        else:
-            raise ValueError(f"attention mode {ctx.mode!r}: must be 'dense' or 'sparse'")
-        return dense(o, self.o_proj[...], "bshv,hvd->bsd", dt), topk, stats, cache
+    def dense_training(self, x, p: Projected, ctx: Ctx):
+        """Causal MLA over this sequence with per-head keys/values -> o [B,S,H,d_v], AttnStats (max_logit; attn_p
+        and index_logits with ctx.index_loss; attn_topk and index_topk with ctx.topk_stats)."""
+        cfg, seg = self.cfg, ctx.segment_ids
+        o, max_logit, attn_p = dense_mla(p.q_nope, p.q_pe, p.c_kv, p.k_pe, p.w_uk, p.w_uv, seg, cfg.softmax_scale)
+        if not (ctx.index_loss or ctx.topk_stats):
+            return o, AttnStats(max_logit)
+        qkw = None if self.indexer is None else self.indexer(x, p.q_resid, ctx.cos, ctx.sin)
+        stats = AttnStats(max_logit)
+        if ctx.index_loss:
+            stats = stats._replace(attn_p=attn_p, index_logits=None if qkw is None else index_scores(*qkw, seg, seg))
+        if ctx.topk_stats:
+            vis = visible(seg, seg, jnp.arange(x.shape[1]))
+            stats = stats._replace(
+                attn_topk=masked_topk(jnp.where(vis, attn_p, -jnp.inf), cfg.index_topk),
+                index_topk=None if qkw is None else index_topk(*qkw, seg, seg, cfg.index_topk, cfg.block_q)[0])
+        return o, stats
+
+    def absorbed_queries(self, p: Projected):
+        """[q_nope . W_UK | q_pe] [B,S,H,r_kv+d_r]: queries against the latent rows in MQA form (SPEC D.2)."""
+        return jnp.concatenate([jnp.einsum("bshd,chd->bshc", p.q_nope, p.w_uk), p.q_pe], axis=-1)
+
+    def dense_cached(self, p: Projected, ctx: Ctx, latent):
+        """Absorbed attention over every visible row of the cache latent [B,T,576] -> o [B,S,H,d_v]."""
+        vis = visible(ctx.segment_ids, ctx.kv_valid, ctx.q_idx)
+        o_lat = dense_mla_absorbed(self.absorbed_queries(p), latent, vis, self.cfg.softmax_scale, self.cfg.kv_lora_rank)
+        return jnp.einsum("bshc,chv->bshv", o_lat, p.w_uv)
+
+    def sparse(self, x, p: Projected, ctx: Ctx, latent, topk, cache):
+        """Sparse attention over the latent rows [B,T,576] (this sequence, or the cache) that the layer's indexer
+        selects (or, on a shared layer, topk) -> o [B,S,H,d_v], topk used, AttnStats (attn_p and index_logits with
+        ctx.index_loss, without a cache), cache (index keys written on full layers)."""
+        cfg, q_seg = self.cfg, ctx.segment_ids
+        k_seg, q_idx = (q_seg, None) if cache is None else (ctx.kv_valid, ctx.q_idx)
+        fns = BACKENDS[cfg.attention_impl] if ctx.backend is None else ctx.backend
+        q_abs = self.absorbed_queries(p)
+        if self.indexer is not None:
+            qi, ki, wi = self.indexer(x, p.q_resid, ctx.cos, ctx.sin)
+            if cache is not None:
+                cache = dict(cache, index_k=write_rows(cache["index_k"], ki, ctx.q_idx[:, 0]))
+                ki = cache["index_k"]
+            topk, _ = fns.index_topk(qi, ki, wi, q_seg, k_seg, cfg.index_topk, cfg.block_q, q_idx)
+        o_lat, lse = fns.sparse_mla(q_abs, latent, topk, scale=cfg.softmax_scale, kv_lora_rank=cfg.kv_lora_rank,
+                                    block_q=cfg.block_q)
+        o = jnp.einsum("bshc,chv->bshv", o_lat, p.w_uv)
+        if not ctx.index_loss or cache is not None:
+            return o, topk, AttnStats(), cache
+        attn_p = sparse_attention_probs(q_abs, latent, topk, lse, scale=cfg.softmax_scale, block_q=cfg.block_q)
+        index_logits = None if self.indexer is None else fns.gathered_index_logits(qi, ki, wi, topk, cfg.block_q)
+        return o, topk, AttnStats(attn_p=attn_p, index_logits=index_logits), cache
 
 
 def write_rows(cache, rows, start):

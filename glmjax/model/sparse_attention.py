@@ -4,12 +4,14 @@ DSA runs MLA "in MQA mode": every head attends over the same k gathered rows of 
 kv = [c_kv | k_pe] (r_kv + d_r = 576 for GLM-5), with absorbed queries q = [q_nope . W_UK | q_pe].
 Values are the r_kv-wide latent part. Work and memory are O(S * k): per query block only the
 [B, bq, k, r_kv + d_r] gathered rows exist, and the block is rematerialised in the backward pass.
-The Pallas kernel (pallas_kernels/) implements the same signature.
+The Pallas kernel `pallas_kernels.sparse_mla` implements the same signature (`glmjax.model.backends` picks one).
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from glmjax.model.blocks import from_blocks, to_blocks
 
 f32 = jnp.float32
 
@@ -44,7 +46,7 @@ def sparse_mla_xla(q, kv, indices, *, scale: float, kv_lora_rank: int, block_q: 
         lse = jnp.where(l > 0, m[..., 0] + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
         return o.astype(q.dtype), lse
 
-    out, lse = jax.lax.map(one_block, (to_blocks(q, bq), to_blocks(indices, bq)))
+    out, lse = jax.lax.map(one_block, (to_blocks(q, bq), to_blocks(indices, bq, -1)))
     return from_blocks(out, S), from_blocks(lse, S)
 
 
@@ -52,21 +54,6 @@ def query_block(kv, indices, block_q: int) -> int:
     """Rows per query block: at most block_q, and at most gather_block_bytes() of gathered latent rows."""
     per_query = indices.shape[0] * indices.shape[-1] * kv.shape[-1] * kv.dtype.itemsize
     return max(1, min(block_q, indices.shape[1], gather_block_bytes() // per_query))
-
-
-def to_blocks(a, bq: int):
-    """[B,S,...] -> [nb,B,bq,...], the tail padded (with -1 for int32 index arrays, else 0)."""
-    B, S = a.shape[:2]
-    nb = -(-S // bq)
-    fill = -1 if a.dtype == jnp.int32 else 0
-    a = jnp.pad(a, [(0, 0), (0, nb * bq - S)] + [(0, 0)] * (a.ndim - 2), constant_values=fill)
-    return jnp.moveaxis(a.reshape((B, nb, bq) + a.shape[2:]), 1, 0)
-
-
-def from_blocks(a, S: int):
-    """[nb,B,bq,...] -> [B,S,...]."""
-    a = jnp.moveaxis(a, 0, 1)
-    return a.reshape((a.shape[0], -1) + a.shape[3:])[:, :S]
 
 
 def sparse_attention_probs(q, kv, indices, lse, *, scale: float, block_q: int = 256):
@@ -82,5 +69,5 @@ def sparse_attention_probs(q, kv, indices, lse, *, scale: float, block_q: int = 
         p = jnp.where((ib >= 0)[:, :, None, :] & jnp.isfinite(lb)[..., None], jnp.exp(s - lb[..., None]), 0.0)
         return jnp.mean(p, axis=2)
 
-    return from_blocks(jax.lax.map(one_block, (to_blocks(q, bq), to_blocks(indices, bq), to_blocks(lse, bq))),
+    return from_blocks(jax.lax.map(one_block, (to_blocks(q, bq), to_blocks(indices, bq, -1), to_blocks(lse, bq))),
                        indices.shape[1])

@@ -15,10 +15,42 @@ import jax.numpy as jnp
 from flax import nnx
 
 from glmjax.config import ModelConfig
+from glmjax.model.blocks import from_blocks, to_blocks
 from glmjax.model.indexer import index_kl
 from glmjax.model.layers import RMSNorm, dense, dtype_of, f32, normal_param, rope_tables
-from glmjax.model.mla import MLA, Ctx
+from glmjax.model.mla import MLA, AttnStats, Ctx
 from glmjax.model.moe import MLP, MoE
+
+
+class Aux(NamedTuple):
+    """What the layers report besides the hidden states, one entry per layer that produces it, stacked along a
+    leading layer axis in layer order (`stack_aux`, `concat_aux`); None where no layer produces it."""
+    max_logit: jax.Array | None = None  # [L] largest attention logit per layer, no gradient (dense training)
+    expert_load: jax.Array | None = None  # [L_moe, E] tokens routed to each expert, MoE layers
+    index_kl_sum: jax.Array | None = None  # [indexers] with index_loss: sum over queries of the indexer KL
+    index_kl_tokens: jax.Array | None = None  # [indexers] with index_loss: the queries counted
+    attn_topk: jax.Array | None = None  # [L,B,S,k] with topk_stats (dense): top-k keys of the head-mean attention
+    index_topk: jax.Array | None = None  # [full layers,B,S,k] with topk_stats (dense): the indexers' top-k
+
+
+def layer_aux(stats: AttnStats, expert_load, index_kl_sum=None, index_kl_tokens=None) -> Aux:
+    """One layer's entries (no layer axis); the indexer KL, when given, is that of the unit it leads."""
+    return Aux(stats.max_logit, expert_load, index_kl_sum, index_kl_tokens, stats.attn_topk, stats.index_topk)
+
+
+def stack_aux(auxs: list[Aux]) -> Aux:
+    return _join(jnp.stack, auxs)
+
+
+def concat_aux(auxs: list[Aux]) -> Aux:
+    return _join(jnp.concatenate, auxs)
+
+
+def _join(fn, auxs: list[Aux]) -> Aux:
+    def field(values):
+        present = [v for v in values if v is not None]
+        return fn(present) if present else None
+    return Aux(*map(field, zip(*auxs)))
 
 
 class DecoderLayer(nnx.Module):
@@ -31,16 +63,16 @@ class DecoderLayer(nnx.Module):
         self.mlp = MoE(cfg, rngs) if moe else MLP(cfg, cfg.intermediate_size, rngs)
 
     def __call__(self, h, topk, ctx: Ctx, cache=None):
-        """h [B,S,D], topk [B,S,k'], cache (see MLA) -> (h, topk, aux {"max_logit": (), "expert_load": [E] on MoE
-        layers}, cache)."""
-        a, topk, aux, cache = self.self_attn(self.input_layernorm(h), ctx, topk, cache)
+        """h [B,S,D], topk [B,S,k'], cache (see MLA) -> (h, topk, AttnStats, expert load [E] on MoE layers (else
+        None), cache)."""
+        a, topk, stats, cache = self.self_attn(self.input_layernorm(h), ctx, topk, cache)
         h = h + a
         y = self.post_attention_layernorm(h)
         if isinstance(self.mlp, MoE):
-            m, aux["expert_load"] = self.mlp(y)
+            m, load = self.mlp(y)
         else:
-            m = self.mlp(y)
-        return h + m, topk, aux, cache
+            m, load = self.mlp(y), None
+        return h + m, topk, stats, load, cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,34 +114,24 @@ class Unit(nnx.Module):
         self.layers = nnx.List([DecoderLayer(cfg, moe, idx, rngs) for moe, idx in kinds])
 
     def __call__(self, h, topk, ctx: Ctx, caches=None):
-        """-> h, topk, aux with each entry stacked over the unit's layers that produce it, caches (list per layer)."""
-        auxs, new_caches = [], []
+        """-> h, topk, Aux stacked over the unit's layers, caches (list per layer)."""
+        stats, loads, new_caches = [], [], []
         for j, layer in enumerate(self.layers):
-            h, topk, aux, c = layer(h, topk, ctx, None if caches is None else caches[j])
-            auxs.append(aux)
+            h, topk, st, load, c = layer(h, topk, ctx, None if caches is None else caches[j])
+            stats.append(st)
+            loads.append(load)
             new_caches.append(c)
-        if ctx.index_loss:
-            unit_index_loss(auxs, ctx)
+        kl = unit_index_loss(stats, ctx) if ctx.index_loss else ()
+        auxs = [layer_aux(st, load, *(kl if j == 0 else ())) for j, (st, load) in enumerate(zip(stats, loads))]
         return h, topk, stack_aux(auxs), (None if caches is None else new_caches)
 
 
-def unit_index_loss(auxs: list[dict], ctx: Ctx) -> None:
-    """The unit's full layer distils its indexer toward the mean attention distribution of every layer it serves
-    (itself and the shared layers after it: SPEC E.4; a lone full layer is E.2 / E.3). Replaces the layers'
-    "attn_p" / "index_logits" by "index_kl_sum" / "index_kl_tokens" on the full layer (in place)."""
-    target = jnp.mean(jnp.stack([a.pop("attn_p") for a in auxs]), axis=0)
-    auxs[0]["index_kl_sum"], auxs[0]["index_kl_tokens"] = index_kl(target, auxs[0].pop("index_logits"),
-                                                                   ctx.segment_ids > 0)
-
-
-def stack_aux(auxs: list[dict]) -> dict:
-    keys = dict.fromkeys(k for a in auxs for k in a)
-    return {k: jnp.stack([a[k] for a in auxs if k in a]) for k in keys}
-
-
-def concat_aux(auxs: list[dict]) -> dict:
-    keys = dict.fromkeys(k for a in auxs for k in a)
-    return {k: jnp.concatenate([a[k] for a in auxs if k in a]) for k in keys}
+def unit_index_loss(stats: list[AttnStats], ctx: Ctx):
+    """The unit's full layer (stats[0]) distils its indexer toward the mean attention distribution of every layer it
+    serves (itself and the shared layers after it: SPEC E.4; a lone full layer is E.2 / E.3) -> (sum of KL, queries
+    counted)."""
+    target = jnp.mean(jnp.stack([st.attn_p for st in stats]), axis=0)
+    return index_kl(target, stats[0].index_logits, ctx.segment_ids > 0)
 
 
 REMAT = {
@@ -134,7 +156,8 @@ class Stack(nnx.Module):
         self.units = create(rngs)
 
     def __call__(self, h, topk, ctx: Ctx, caches=None):
-        """caches: None, or per position in the unit a cache dict stacked over the units ([n, B, T, C] leaves)."""
+        """caches: None, or per position in the unit a cache dict stacked over the units ([n, B, T, C] leaves).
+        -> h, topk, Aux over the stack's layers, caches."""
         graphdef, state = nnx.split(self.units)
 
         def body(carry, xs):
@@ -169,14 +192,14 @@ class MTP(nnx.Module):
         self.shared_head_norm = RMSNorm(D, cfg.rms_norm_eps, cfg)
 
     def __call__(self, emb, h_prev, ctx: Ctx, dtype):
-        """emb = Embed[t_{i+k}] [B,S,D], h_prev = post-norm hidden of depth k-1 -> post-norm hidden of depth k."""
+        """emb = Embed[t_{i+k}] [B,S,D], h_prev = post-norm hidden of depth k-1 -> post-norm hidden of depth k, the
+        layer's Aux entries (no layer axis)."""
         u = jnp.concatenate([self.enorm(emb), self.hnorm(h_prev)], axis=-1)  # embedding first, hidden second
         u = dense(u, self.eh_proj[...], "bsd,de->bse", dtype)
         topk0 = jnp.full(u.shape[:2] + (0,), -1, jnp.int32)
-        h, _, aux, _ = self.layer(u, topk0, ctx)
-        if ctx.index_loss:
-            unit_index_loss([aux], ctx)
-        return self.shared_head_norm(h), aux
+        h, _, stats, load, _ = self.layer(u, topk0, ctx)
+        kl = unit_index_loss([stats], ctx) if ctx.index_loss else ()
+        return self.shared_head_norm(h), layer_aux(stats, load, *kl)
 
 
 class Batch(NamedTuple):
@@ -202,14 +225,14 @@ class GLM(nnx.Module):
         return Ctx(cos, sin, batch.segment_ids, mode, **flags)
 
     def __call__(self, batch: Batch, mode: str = "dense", **flags):
-        """-> final post-norm hidden [B,S,D], aux {"expert_load": [L_moe, E], "max_logit": [L] (dense mode),
-        with index_loss=True "index_kl_sum" / "index_kl_tokens" [full layers], with topk_stats=True (dense)
-        "attn_topk" [L,B,S,k] and "index_topk" [full layers,B,S,k]} (flags: see Ctx)."""
+        """-> final post-norm hidden [B,S,D], Aux of the trunk's layers: expert_load, max_logit (dense mode), with
+        index_loss=True index_kl_sum / index_kl_tokens, with topk_stats=True (dense) attn_topk and index_topk
+        (flags: see Ctx, e.g. backend=)."""
         h, aux, _ = self.trunk(batch.tokens, self.ctx(batch, mode, **flags), None)
         return h, aux
 
     def trunk(self, tokens, ctx: Ctx, caches):
-        """Embedding, every stack, final norm. caches: None or one entry per stack (see Stack) -> h, aux, caches."""
+        """Embedding, every stack, final norm. caches: None or one entry per stack (see Stack) -> h, Aux, caches."""
         B, S = tokens.shape
         h = self.embed_tokens[...][tokens].astype(dtype_of(self.cfg.dtype))
         keys = S if caches is None else ctx.kv_valid.shape[1]
@@ -239,27 +262,26 @@ class GLM(nnx.Module):
         lm = lm_sum / jnp.maximum(lm_count, 1.0)
         metrics = {"lm_loss": lm, "lm_nll_sum": lm_sum, "lm_tokens": lm_count}
         loss = lm
-        if "max_logit" in aux:
-            metrics["max_attn_logit"] = jnp.max(aux["max_logit"])
+        if aux.max_logit is not None:
+            metrics["max_attn_logit"] = jnp.max(aux.max_logit)
         if self.mtp is not None:
             mtp_losses, mtp_aux = self.mtp_losses(batch, h, mode, with_kl)
             loss = loss + cfg.mtp_loss_weight / cfg.mtp_depth * jnp.sum(mtp_losses)
             metrics["mtp_loss"] = jnp.mean(mtp_losses)
-            aux = concat_aux([aux, {k: mtp_aux[k] for k in ("expert_load", "index_kl_sum", "index_kl_tokens")
-                                    if k in mtp_aux}])
+            aux = concat_aux([aux, mtp_aux._replace(max_logit=None)])  # the MTP layer's max logit is not reported
         loss = lm_weight * loss
         if with_kl:  # per indexer (trunk full layers, then the MTP indexer per depth): token-mean KL
-            kl = aux["index_kl_sum"] / jnp.maximum(aux["index_kl_tokens"], 1.0)
+            kl = aux.index_kl_sum / jnp.maximum(aux.index_kl_tokens, 1.0)
             loss = loss + index_loss_weight * jnp.sum(kl)
             metrics["index_kl"] = jnp.mean(kl)
             metrics["index_kl_per_layer"] = kl
         metrics["loss"] = loss
-        if "expert_load" in aux:
-            metrics["expert_load"] = aux["expert_load"]  # [L_moe (+ mtp_depth), E], layer order, MTP depths last
+        if aux.expert_load is not None:
+            metrics["expert_load"] = aux.expert_load  # [L_moe (+ mtp_depth), E], layer order, MTP depths last
         return loss, metrics
 
     def mtp_losses(self, batch: Batch, h, mode: str, index_loss: bool = False):
-        """Per-depth CE [mtp_depth] and the MTP layer's aux per depth (expert load [D_mtp, E]). Depth k at slot i
+        """Per-depth CE [mtp_depth] and the MTP layer's Aux per depth (e.g. expert_load [D_mtp, E]). Depth k at slot i
         embeds t_{i+k} and predicts t_{i+k+1}, inside the same document."""
         cfg, dt = self.cfg, dtype_of(self.cfg.dtype)
         ctx = self.ctx(batch, mode, index_loss=index_loss)
@@ -295,14 +317,9 @@ def map_position_chunks(fn, h, targets, chunk: int):
     """fn((h [B,c,D], targets [B,c])) -> tuple of [B,c] arrays, applied `chunk` positions at a time under remat
     (lax.map), so whatever fn builds per chunk (e.g. [B,c,V] logits) never exists for all S positions, forward or
     backward. h [B,S,D], targets [B,S] -> tuple of [B,S]."""
-    B, S, D = h.shape
-    c = min(chunk, S)
-    n = -(-S // c)
-    pad = n * c - S
-    hs = jnp.moveaxis(jnp.pad(h, ((0, 0), (0, pad), (0, 0))).reshape(B, n, c, D), 1, 0)
-    ts = jnp.moveaxis(jnp.pad(targets, ((0, 0), (0, pad))).reshape(B, n, c), 1, 0)
-    outs = jax.lax.map(jax.checkpoint(fn), (hs, ts))
-    return tuple(jnp.moveaxis(o, 0, 1).reshape(B, n * c)[:, :S] for o in outs)
+    c = min(chunk, h.shape[1])
+    outs = jax.lax.map(jax.checkpoint(fn), (to_blocks(h, c), to_blocks(targets, c)))
+    return tuple(from_blocks(o, h.shape[1]) for o in outs)
 
 
 def token_nll(h, head, targets, chunk: int):

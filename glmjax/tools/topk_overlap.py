@@ -50,7 +50,7 @@ def overlap_matrices(model: GLM, batches) -> dict:
     @nnx.jit
     def one(model, batch):
         _, aux = model(batch, "dense", topk_stats=True)
-        a, x = aux["attn_topk"], aux["index_topk"]
+        a, x = aux.attn_topk, aux.index_topk
         T = batch.tokens.shape[1]
         pair = jax.vmap(jax.vmap(lambda u, v: topk_overlap(u, v, T), (None, 0)), (0, None))
         return pair(a, a), pair(x, x), jax.vmap(lambda u, v: topk_overlap(u, v, T))(x, a[jnp.asarray(full)])
