@@ -36,7 +36,7 @@ def fingerprint(workdir: str) -> dict:
     result = {stage: losses(os.path.join(workdir, "recipe", stage, "metrics.jsonl")) for stage in c.recipe}
     p = ppo_tiny.get_config()
     p.optim.warmup_steps = 2
-    p.ppo.update(steps=5, sft_steps=10, eval_every=0, eval_problems=8, eval_samples=2)
+    p.ppo.update(steps=5, critic_warmup_steps=2, sft_steps=10, eval_every=0, eval_problems=8, eval_samples=2)
     train_ppo(p, os.path.join(workdir, "ppo"), progress=False)
     result["ppo"] = losses(os.path.join(workdir, "ppo", "metrics.jsonl"), ("policy_loss", "value_loss", "reward"))
     return result
