@@ -1,6 +1,6 @@
-"""AOT-compile the full training step (forward, backward, optimizer, router-bias update) for a TPU topology on a
-CPU host and print the compiler's estimates: memory per chip, FLOPs, step time, implied MFU. Estimates, not
-measurements: nothing runs, no TPU is needed.
+"""AOT-compile the trainer's own training step (glmjax.train.step: forward, backward, optimizer, router-bias update,
+non-finite guard) for a TPU topology on a CPU host and print the compiler's estimates: memory per chip, FLOPs,
+step time, implied MFU. Estimates, not measurements: nothing runs, no TPU is needed.
 
     python bench/aot.py --config configs/glm5.py --topology v5p:8x8x16 --seq 4096 --batch 256 \
         --mesh fsdp=4,expert=64,tensor=4 --set remat=full --set moe_capacity_factor=2
@@ -12,10 +12,10 @@ the collectives (from the HLO) -- come from "estimate builds" whose every loop r
 (layers unrolled, one loss chunk, one attention query block, MTP for one depth): for <= 8 layers the whole
 model, otherwise the dense layers + 1 MoE layer and + 2 MoE layers, extrapolated linearly to all MoE layers;
 MTP depths are added the same way. Model FLOPs (for MFU) come from `glmjax.flops` (causal=False: what the XLA
-code computes). Step time is a roofline of the counts with the chip's public peaks (`aot.roofline`): between
-max(compute, HBM, ICI) (all overlapped) and their sum (none); the compiler's own "optimal_seconds" is printed but
-not used (it goes negative for these programs). The every-parameter-trains sparse step is the sparse-adaptation
-stage (LM + MTP + indexer KL).
+code computes). Step time is a roofline of the counts with the chip's public peaks (`glmjax.train.aot.roofline`,
+glmjax/hardware.py): between max(compute, HBM, ICI) (all overlapped) and their sum (none); the compiler's own
+"optimal_seconds" is printed but not used (it goes negative for these programs). The every-parameter-trains sparse
+step is the sparse-adaptation stage (LM + MTP + indexer KL).
 """
 from __future__ import annotations
 
