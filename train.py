@@ -53,7 +53,7 @@ def main(argv):
 
     from glmjax.config import ConfigError
     from glmjax.data.sources import DataError
-    from glmjax.train import run
+    from glmjax.launch import run
     from glmjax.train.checkpoint import CheckpointError
     from glmjax.train.loop import DiskFull
 

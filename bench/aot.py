@@ -1,6 +1,6 @@
-"""AOT-compile the full training step (forward, backward, optimizer, router-bias update) for a TPU topology on a
-CPU host and print the compiler's estimates: memory per chip, FLOPs, step time, implied MFU. Estimates, not
-measurements: nothing runs, no TPU is needed.
+"""AOT-compile the trainer's own training step (glmjax.train.step: forward, backward, optimizer, router-bias update,
+non-finite guard) for a TPU topology on a CPU host and print the compiler's estimates: memory per chip, FLOPs,
+step time, implied MFU. Estimates, not measurements: nothing runs, no TPU is needed.
 
     python bench/aot.py --config configs/glm5.py --topology v5p:8x8x16 --seq 4096 --batch 256 \
         --mesh fsdp=4,expert=64,tensor=4 --set remat=full --set moe_capacity_factor=2
@@ -12,10 +12,10 @@ the collectives (from the HLO) -- come from "estimate builds" whose every loop r
 (layers unrolled, one loss chunk, one attention query block, MTP for one depth): for <= 8 layers the whole
 model, otherwise the dense layers + 1 MoE layer and + 2 MoE layers, extrapolated linearly to all MoE layers;
 MTP depths are added the same way. Model FLOPs (for MFU) come from `glmjax.flops` (causal=False: what the XLA
-code computes). Step time is a roofline of the counts with the chip's public peaks (`aot.roofline`): between
-max(compute, HBM, ICI) (all overlapped) and their sum (none); the compiler's own "optimal_seconds" is printed but
-not used (it goes negative for these programs). The every-parameter-trains sparse step is the sparse-adaptation
-stage (LM + MTP + indexer KL).
+code computes). Step time is a roofline of the counts with the chip's public peaks (`glmjax.train.aot.roofline`,
+glmjax/hardware.py): between max(compute, HBM, ICI) (all overlapped) and their sum (none); the compiler's own
+"optimal_seconds" is printed but not used (it goes negative for these programs). The every-parameter-trains sparse
+step is the sparse-adaptation stage (LM + MTP + indexer KL).
 """
 from __future__ import annotations
 
@@ -37,10 +37,9 @@ import jax  # noqa: E402
 from glmjax import flops  # noqa: E402
 from glmjax import parallel as par  # noqa: E402
 from glmjax.config import ModelConfig  # noqa: E402
+from glmjax.hardware import GiB, chip_of_topology  # noqa: E402
 from glmjax.model import sparse_attention  # noqa: E402
-from glmjax.parallel import aot  # noqa: E402
-
-GiB = 2 ** 30
+from glmjax.train import aot  # noqa: E402
 
 
 def load_config(path: str):
@@ -138,7 +137,7 @@ def main(argv=None):
     args.seq = args.seq or c.train.seq_len
     args.batch = args.batch or c.train.batch_size
     mesh_cfg = {"data": -1, **{k: int(v) for k, v in (kv.split("=") for kv in args.mesh.split(",") if kv)}}
-    gen = aot.chip(args.topology)
+    chip = chip_of_topology(args.topology)
     devices = aot.topology_devices(args.topology, args.num_slices)
     mesh = par.make_mesh(mesh_cfg, devices)
     chips = len(devices)
@@ -150,7 +149,7 @@ def main(argv=None):
     result = dict(config=args.config, topology=args.topology, num_slices=args.num_slices, chips=chips,
                   mesh=dict(mesh.shape), batch=args.batch, seq=args.seq, mode=args.mode, optimizer=optim["name"],
                   overrides=overrides)
-    hbm = aot.HBM_BYTES[gen]
+    hbm = chip.hbm_bytes
     if not args.estimate_only:
         try:
             compiled, compile_s = compile_step(cfg, optim, mesh, args)
@@ -178,8 +177,8 @@ def main(argv=None):
     result["model_flops_per_chip"] = model_flops_chip
     if not args.no_estimate:
         est = estimate(cfg, optim, mesh, args, log)
-        t = aot.roofline(est, gen)
-        peak = aot.PEAK_BF16_FLOPS[gen]
+        t = aot.roofline(est, chip.name)
+        peak = chip.peak_bf16_flops
         result.update(estimate=est, time=t, peak_flops=peak, mfu_fast=model_flops_chip / (t["fast"] * peak),
                       mfu_slow=model_flops_chip / (t["slow"] * peak))
         log(f"  per chip: compiler FLOPs {est['flops']:.4g} (model {model_flops_chip:.4g}), HBM bytes "

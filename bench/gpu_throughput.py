@@ -21,6 +21,7 @@ from flax import nnx
 
 from glmjax import flops
 from glmjax.config import ModelConfig
+from glmjax.hardware import CHIPS
 from glmjax.model import GLM, Batch
 
 # GLM-5-proportioned: GLM-5's head and latent dims (MLA-256: nope 192 + rope 64, v 256, latent 512 + 64, indexer
@@ -32,7 +33,7 @@ PRESETS = {
                             n_routed_experts=64, n_shared_experts=1, num_experts_per_tok=8, index_n_heads=32,
                             index_head_dim=128, num_nextn_predict_layers=0, dtype="bfloat16",
                             max_position_embeddings=65536, remat="full", block_q=512, loss_chunk=1024),
-                 seq_lens=(4096, 8192, 16384), batch=1, peak=989e12),
+                 seq_lens=(4096, 8192, 16384), batch=1, peak=CHIPS["h200"].peak_bf16_flops),
     "cpu": dict(model=dict(num_nextn_predict_layers=0, block_q=64), seq_lens=(128,), batch=2, peak=None),
 }
 

@@ -2,7 +2,7 @@
 
 As a script it is one process of a multi-process run (tests/test_multihost.py starts two):
     python tests/sharded_training.py PROCESS_ID NUM_PROCESSES PORT CKPT_DIR OUT_JSON
-It trains STEPS_BEFORE steps with the sharded step, checkpoints with orbax from every process, restores into
+It trains STEPS_BEFORE steps with the trainer's sharded step, checkpoints with orbax from every process, restores into
 fresh arrays, checks them, trains STEPS_AFTER more steps and (process 0) writes the per-step losses as JSON.
 """
 import json
@@ -22,9 +22,12 @@ def small_cfg(**kw):
     return tiny(**{**dict(num_hidden_layers=2, indexer_types=("full", "shared"), num_nextn_predict_layers=0), **kw})
 
 
+STAGE, MODE, BIAS_RATE = "pretrain", "sparse", 1e-2  # the stage's trainable set: every parameter but the indexers
+
+
 def trainable():
-    from flax import nnx
-    return nnx.All(nnx.Param, nnx.Not(nnx.PathContains("indexer")))
+    from glmjax.train.stages import STAGES, TRAINABLE
+    return TRAINABLE[STAGES[STAGE].trainable]
 
 
 def make_tx(params, cfg):
@@ -34,27 +37,11 @@ def make_tx(params, cfg):
                                     "total_steps": 100}, cfg)[0]
 
 
-def make_step(graphdef, tx, bias_rate=1e-2, mode="sparse"):
-    """A pure AdamW train step (params, rest, opt_state, batch) -> (params, rest, opt_state, metrics) with the
-    aux-loss-free router-bias update; metrics carry the gradients for comparisons."""
-    import jax
-    import optax
-    from flax import nnx
-    from glmjax.train.router_bias import update_router_bias
-
-    def step(params, rest, opt_state, batch):
-        def loss_fn(p):
-            return nnx.merge(graphdef, p, rest).loss(batch, mode)
-
-        (loss, m), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        model = nnx.merge(graphdef, params, rest)
-        update_router_bias(model, m["expert_load"], bias_rate)
-        _, params, rest = nnx.split(model, trainable(), ...)
-        return params, rest, opt_state, {"loss": loss, "expert_load": m["expert_load"], "grads": grads}
-
-    return step
+def make_step(graphdef, tx, mesh=None, state=None):
+    """The trainer's train step of STAGE, (params, rest, opt_state, batch, step) -> (params, rest, opt_state,
+    metrics): jitted, donating the state; with `mesh`, sharded like state = (params, rest, opt_state)."""
+    from glmjax.train.step import make_train_step
+    return make_train_step(graphdef, tx, STAGE, MODE, BIAS_RATE, mesh=mesh, state=state)
 
 
 def batch_rows(step: int, cfg):
@@ -72,17 +59,17 @@ def batch_rows(step: int, cfg):
 
 def reference_losses(n_steps: int):
     """Single device, unsharded: the losses of n_steps steps."""
-    import jax
+    import jax.numpy as jnp
     from flax import nnx
     from glmjax.model import GLM, Batch
     cfg = small_cfg()
     graphdef, params, rest = nnx.split(GLM(cfg, nnx.Rngs(0)), trainable(), ...)
     tx = make_tx(params, cfg)
     opt_state = tx.init(params)
-    step = jax.jit(make_step(graphdef, tx))
+    step = make_step(graphdef, tx)
     losses = []
     for i in range(n_steps):
-        params, rest, opt_state, m = step(params, rest, opt_state, Batch(*batch_rows(i, cfg)))
+        params, rest, opt_state, m = step(params, rest, opt_state, Batch(*batch_rows(i, cfg)), jnp.int32(i))
         losses.append(float(m["loss"]))
     return losses
 
@@ -95,6 +82,7 @@ def worker(process_id: int, num_processes: int, port: int, ckpt_dir: str, out_js
         coordinator_address=f"127.0.0.1:{port}", num_processes=num_processes, process_id=process_id))
     assert jax.process_count() == num_processes and jax.device_count() == 8, (jax.process_count(), jax.devices())
 
+    import jax.numpy as jnp
     import orbax.checkpoint as ocp
     from flax import nnx
     from jax.experimental import multihost_utils
@@ -105,7 +93,7 @@ def worker(process_id: int, num_processes: int, port: int, ckpt_dir: str, out_js
     graphdef, params, rest = par.create_sharded(lambda: GLM(cfg, nnx.Rngs(0)), mesh, trainable(), ...)
     tx = make_tx(params, cfg)
     opt_state = par.init_opt_state(tx, params, mesh)
-    step = par.shard_train_step(make_step(graphdef, tx), mesh, params, rest, opt_state)
+    step = make_step(graphdef, tx, mesh, (params, rest, opt_state))
     rows = par.process_rows(par.batch_sharding(mesh), BATCH)
     assert len(rows) == BATCH // num_processes, rows  # each process holds (and loads) only its share
 
@@ -117,7 +105,7 @@ def worker(process_id: int, num_processes: int, port: int, ckpt_dir: str, out_js
             batch = Batch(*par.global_batch(tuple(a[rows] for a in full), mesh, BATCH))
             gathered = multihost_utils.process_allgather(batch.tokens, tiled=True)
             assert np.array_equal(gathered, full[0]), "process rows landed in the wrong global rows"
-            params, rest, opt_state, m = step(params, rest, opt_state, batch)
+            params, rest, opt_state, m = step(params, rest, opt_state, batch, jnp.int32(i))
             losses.append(float(m["loss"]))
         return params, rest, opt_state
 

@@ -9,7 +9,8 @@ from jax.sharding import PartitionSpec as P
 
 from glmjax import parallel as par
 from glmjax.optim.config import default_optim_config
-from glmjax.parallel import aot
+from glmjax.hardware import CHIPS
+from glmjax.train import aot
 from sharded_training import small_cfg
 
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # other test workers / engineers may hold libtpu
@@ -35,7 +36,7 @@ def test_train_step_compiles_for_v5p_with_expert_and_tensor_parallelism(devices)
     assert P(None, "expert", "fsdp", "tensor") in specs  # stacked routed experts: all three axes split them
     mem = aot.memory_per_chip(compiled)
     assert mem["alias"] > 0.9 * mem["output"]  # the donated state is updated in place
-    assert 0 < mem["argument"] and 0 < mem["total"] < aot.HBM_BYTES["v5p"]
+    assert 0 < mem["argument"] and 0 < mem["total"] < CHIPS["v5p"].hbm_bytes
     c = aot.cost(compiled)
     assert c["flops"] > 0 and c["bytes"] > 0 and c["comm_bytes"] > 0  # expert all-to-alls, gradient reduces
     t = aot.roofline(c, "v5p")

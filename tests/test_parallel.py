@@ -19,7 +19,7 @@ from glmjax.model.moe import MoE, grouped_matmul_blocked
 from glmjax.optim import build_optimizer
 from glmjax.optim.config import default_optim_config
 from helpers import tiny
-from sharded_training import BATCH, batch_rows, make_step, make_tx, small_cfg, trainable
+from sharded_training import BATCH, MODE, batch_rows, make_step, make_tx, small_cfg, trainable
 
 MESHES = {
     "data8": dict(data=8),
@@ -113,12 +113,16 @@ EXPECTED_SPECS = {  # (experts_gate [L,E,D,I], q_b_proj [L,r_q,H,d], embed_token
 
 @pytest.fixture(scope="module")
 def reference():
-    """One unsharded step on one device: initial state, loss, gradients, expert load, new state."""
+    """One unsharded step on one device: initial state, gradients, the step's new state (params, router biases,
+    AdamW moments) and metrics (loss, gradient norm, load imbalance of the expert load, ...)."""
     cfg = small_cfg()
     graphdef, params, rest = nnx.split(GLM(cfg, nnx.Rngs(0)), trainable(), ...)
     tx = make_tx(params, cfg)
-    out = jax.jit(make_step(graphdef, tx))(params, rest, tx.init(params), Batch(*batch_rows(0, cfg)))
-    return dict(params=params, rest=rest, out=jax.device_get(out))
+    batch = Batch(*batch_rows(0, cfg))
+    grads = jax.grad(lambda p: nnx.merge(graphdef, p, rest).loss(batch, MODE)[0])(params)
+    copy = jax.tree.map(jnp.copy, (params, rest))  # the step donates its inputs
+    out = make_step(graphdef, tx)(*copy, tx.init(params), batch, jnp.int32(1))
+    return dict(params=params, rest=rest, grads=jax.device_get(grads), out=jax.device_get(out))
 
 
 def flat(state) -> dict:
@@ -153,19 +157,21 @@ def test_sharded_train_step_equals_single_device(name, reference):
     opt_state = par.init_opt_state(tx, params, mesh)
     assert bytes_on_device0(opt_state) <= 2 * bytes_on_device0(params) + 1024  # AdamW moments split like params
     shardings = [x.sharding for x in jax.tree.leaves((params, rest, opt_state))]
-    step = par.shard_train_step(make_step(graphdef, tx), mesh, params, rest, opt_state)
+    step = make_step(graphdef, tx, mesh, (params, rest, opt_state))  # the trainer's step, sharded
     batch = Batch(*par.global_batch(batch_rows(0, cfg), mesh, BATCH))
-    hlo = step.lower(params, rest, opt_state, batch).as_text()
+    hlo = step.lower(params, rest, opt_state, batch, jnp.int32(1)).as_text()
     assert ("all_to_all" in hlo) == (s["expert"] > 1)  # expert parallelism only with an expert axis
-    new_params, new_rest, new_opt, m = step(params, rest, opt_state, batch)
+    new_params, new_rest, new_opt, m = step(params, rest, opt_state, batch, jnp.int32(1))
     ref = reference["out"]
-    np.testing.assert_allclose(float(m["loss"]), float(ref[3]["loss"]), rtol=1e-6)
-    np.testing.assert_array_equal(np.asarray(m["expert_load"]), ref[3]["expert_load"])  # the GLOBAL load
-    for g, r in zip(jax.tree.leaves(m["grads"]), jax.tree.leaves(ref[3]["grads"])):
+    assert int(m["skipped"]) == 0 and set(m) == set(ref[3])
+    for k in m:  # loss, gradient norm, load imbalance of the GLOBAL expert load, ...
+        np.testing.assert_allclose(float(m[k]), float(ref[3][k]), rtol=1e-5, err_msg=k)
+    # AdamW's moments after one step are (1 - b1) g and (1 - b2) g^2: the gradients, leaf by leaf
+    for g, r in zip(jax.tree.leaves(new_opt), jax.tree.leaves(ref[2])):
         np.testing.assert_allclose(np.asarray(g), r, rtol=1e-4, atol=1e-6 * max(np.abs(r).max(), 1e-3))
     for a, b in zip(jax.tree.leaves(new_rest), jax.tree.leaves(ref[1])):  # router biases moved identically
         np.testing.assert_array_equal(np.asarray(a), b)
-    for a, b, g in zip(jax.tree.leaves(new_params), jax.tree.leaves(ref[0]), jax.tree.leaves(ref[3]["grads"])):
+    for a, b, g in zip(jax.tree.leaves(new_params), jax.tree.leaves(ref[0]), jax.tree.leaves(reference["grads"])):
         # AdamW's first step moves by lr * g / (|g| + eps): only where |g| >> eps is that well-conditioned
         well = np.abs(g) > 1e-6
         np.testing.assert_allclose(np.where(well, np.asarray(a), b), b, atol=1e-6)

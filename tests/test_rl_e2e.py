@@ -141,12 +141,12 @@ def test_ppo_learns_with_another_float_stream(tmp_path):
 
 @pytest.mark.timeout(1500)
 def test_documented_demo_learns(tmp_path):
-    """The README's `python train.py --config=configs/ppo_tiny.py` (through train.py's entry, `glmjax.train.run`,
+    """The README's `python train.py --config=configs/ppo_tiny.py` (through train.py's entry, `glmjax.launch.run`,
     unchanged): the 6-layer tiny model after its built-in supervised warm-up raises the held-out sampled solve
     rate by >= 0.10 and the training reward by >= 0.15 without lowering held-out greedy accuracy (the README's
     statement)."""
     from configs import ppo_tiny
-    from glmjax.train import run
+    from glmjax.launch import run
 
     s = run(ppo_tiny.get_config(), str(tmp_path), progress=False)
     rows = [r for r in metrics(tmp_path) if "reward_mean" in r]
@@ -209,12 +209,12 @@ def test_tool_env_reading_the_protected_answer_never_raises_reward(tmp_path):
 
 
 def test_train_ppo_options_run_together(tmp_path):
-    """Through train.py's entry (`glmjax.train.run`, config.stage = "ppo"): GRPO + async_two_sided + KL and entropy
+    """Through train.py's entry (`glmjax.launch.run`, config.stage = "ppo"): GRPO + async_two_sided + KL and entropy
     terms + 2 micro-batches x 2 data-parallel devices + sync rollouts + simulated environment crashes, after 2
     steps of the built-in supervised warm-up on calculator demonstrations (played without the simulated crashes),
     for a few steps: it runs, crashes are dropped and counted, groups are padded or dropped, the interception log
     and the metrics exist."""
-    from glmjax.train import run
+    from glmjax.launch import run
 
     c = make_config(model={"num_hidden_layers": 1, "indexer_types": ("full",), "index_topk": 48},
                     env="tool", env_crash_prob=0.3, advantage="grpo", policy_loss="async_two_sided", kl_coef=0.05,

@@ -1,4 +1,5 @@
-"""The byte tokenizer and the router-bias row mapping (training runs: test_recipe.py, test_train_sharded.py)."""
+"""The byte tokenizer, the router-bias row mapping, the chip table and the loop hooks' schedule (training runs:
+test_recipe.py, test_train_sharded.py, test_reliability.py, test_resume.py)."""
 import os
 import sys
 
@@ -9,7 +10,9 @@ from flax import nnx
 
 from glmjax.config import ModelConfig
 from glmjax.data import ByteTokenizer
+from glmjax.hardware import GiB, chip_of_device, chip_of_topology
 from glmjax.model.transformer import GLM, Batch
+from glmjax.train.hooks import CheckpointHook, due
 from glmjax.train.router_bias import router_bias_slots, update_router_bias
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -92,3 +95,40 @@ def test_update_router_bias_sign_rule():
     np.testing.assert_allclose(bias[8], 0.5 * np.sign(load[7:].sum(0).mean() - load[7:].sum(0)))  # MTP: depths summed
     with pytest.raises(ValueError, match="rows"):
         update_router_bias(model, jnp.asarray(load[:-1]), rate=0.5)
+
+
+# ------------------------------------------------------------------------------------------------ chips, hooks
+
+
+@pytest.mark.parametrize("kind, chip", [("TPU v5 lite", "v5e"), ("TPU v5", "v5p"), ("TPU v5p", "v5p"),
+                                        ("TPU v6 lite", "v6e"), ("NVIDIA H200", "h200"), ("cpu", None)])
+def test_chip_of_device_takes_the_longest_device_kind_prefix(kind, chip):
+    found = chip_of_device(type("Device", (), {"device_kind": kind})())
+    assert (found.name if found else None) == chip
+
+
+def test_chip_of_topology():
+    assert chip_of_topology("v5p:2x2x2").hbm_bytes == 95 * GiB and chip_of_topology("V5E:2x4").name == "v5e"
+    with pytest.raises(ValueError, match="unknown chip 'h200'.*v5p"):
+        chip_of_topology("h200:8")  # a GPU has no TPU topology
+
+
+class Messages:
+    def __init__(self):
+        self.lines = []
+
+    def message(self, text):
+        self.lines.append(text)
+
+
+def test_hook_schedule_and_checkpoint_on_a_caught_signal():
+    assert [s for s in range(1, 11) if due(s, 4, 10)] == [4, 8, 10] and [s for s in range(1, 6) if due(s, 0, 5)] == [5]
+    saved, stop, log = [], {"signal": None}, Messages()
+    hook = CheckpointHook(saved.append, 4, 10, stop, log)
+    assert [hook(s) for s in (1, 2, 3, 4)] == [None] * 4 and saved == [4]
+    stop["signal"] = "SIGTERM"
+    assert hook(5) == "SIGTERM" and saved == [4, 5]  # the step the signal came in is saved, once
+    assert hook(8) == "SIGTERM" and saved == [4, 5, 8]
+    assert hook(10) is None and saved == [4, 5, 8, 10]  # the last step: the run is complete, nothing to stop
+    assert log.lines == ["SIGTERM: checkpoint written at step 5; stopping", "SIGTERM: checkpoint written at step 8; "
+                         "stopping"]

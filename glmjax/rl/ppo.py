@@ -15,7 +15,9 @@ Metrics go to workdir/metrics.jsonl (one line per step, plus eval lines), interc
 workdir/interceptions.jsonl, and a tqdm bar shows reward / eval accuracy / wait share.
 
 `load_params(path, target_state) -> state` plugs in checkpoint loading for ppo.init_checkpoint: it receives the
-model's complete nnx.State (as a shape/structure target) and returns one of the same structure.
+model's complete nnx.State (as a shape/structure target) and returns one of the same structure (train.py, through
+glmjax.launch, passes glmjax.train.init_from.checkpoint_loader). The loop's metrics log and eval hook are
+glmjax/train/hooks.py's.
 """
 from __future__ import annotations
 
@@ -27,7 +29,6 @@ from typing import Callable
 import jax
 import numpy as np
 from flax import nnx
-from tqdm import tqdm
 
 from glmjax.config import ConfigError
 from glmjax.data.tokenizer import ByteTokenizer
@@ -44,6 +45,7 @@ from glmjax.rl.tasks import REWARDS, TASKS, resolve_callable
 from glmjax.rl.trainer import (ACTOR_TRAINABLE, CRITIC_TRAINABLE, Placement, PPOFunctions, accumulate,
                                critic_optimizer, forward, full_state, init_value_head, make_apply)
 from glmjax.rl.warmup import supervised_warmup
+from glmjax.train.hooks import EvalHook, MetricsLog, due
 
 TOK = ByteTokenizer()
 LoadParams = Callable[[str, nnx.State], nnx.State]
@@ -189,153 +191,162 @@ class Learner:
         return m
 
 
-def train_ppo(config, workdir: str, progress: bool = True, load_params: LoadParams | None = None) -> dict:
-    """Run the PPO stage; writes workdir/{config.json, metrics.jsonl, interceptions.jsonl}. -> summary dict."""
-    t0 = time.perf_counter()
-    cfg = validate_ppo_config(config)
-    p = config.ppo
-    task = build_task(p)
-    reward_fn = resolve_callable(p.reward, REWARDS, "reward")
-    judge = resolve_callable(p.judge, {}, "judge") if p.judge else None
-    interceptor = Interceptor(judge=judge) if p.interceptor else None
-    make_env = env_factory(p, reward_fn, interceptor)
-    # evaluation and demonstrations run without the simulated crashes (they exercise the rollout dropping rule)
-    make_clean_env = env_factory(p, reward_fn, interceptor, crash_prob=0.0)
-    if p.init_checkpoint is not None and load_params is None:
-        raise ConfigError(f"ppo.init_checkpoint={p.init_checkpoint!r}: needs a params loader (train_ppo(..., "
-                          "load_params=...))")
-    updates_per_step = p.ppo_epochs * p.minibatches
-    optim = config.optim.to_dict()
-    actor_opt = {**optim, "total_steps": (p.steps - p.critic_warmup_steps) * updates_per_step}
-    critic_opt = {**optim, **p.critic_optim.to_dict(), "total_steps": p.steps * updates_per_step}
-    validate_optim_config(actor_opt)
-    validate_optim_config(critic_opt)
-    B, L = p.prompts_per_step * p.group_size, p.max_prompt_len + p.max_response_len
-    os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-        f.write(config.to_json(indent=2))
+class PPORun:
+    """One PPO run's parts, built in this order (the random streams depend on it): the task and its environments,
+    the initial policy (`initial_policy`), the learner, the samplers, the held-out problems. `produce` makes one
+    rollout batch, `evaluate` measures the policy, `step` is one PPO step."""
 
-    # ----- initial policy: a checkpoint through the loader, or a supervised warm-up, or the random init
-    model = GLM(cfg, nnx.Rngs(p.seed))
-    summary: dict = {}
-    if p.init_checkpoint is not None:
-        nnx.update(model, load_params(p.init_checkpoint, nnx.state(model)))
-    elif p.sft_steps:
-        script = SCRIPTS[p.sft_script]
+    def __init__(self, config, workdir: str, load_params: LoadParams | None, progress: bool):
+        self.cfg, p = validate_ppo_config(config), config.ppo
+        self.p, self.task = p, build_task(p)
+        reward_fn = resolve_callable(p.reward, REWARDS, "reward")
+        judge = resolve_callable(p.judge, {}, "judge") if p.judge else None
+        interceptor = Interceptor(judge=judge) if p.interceptor else None
+        self.make_env = env_factory(p, reward_fn, interceptor)
+        # evaluation and demonstrations run without the simulated crashes (they exercise the rollout dropping rule)
+        self.make_clean_env = env_factory(p, reward_fn, interceptor, crash_prob=0.0)
+        if p.init_checkpoint is not None and load_params is None:
+            raise ConfigError(f"ppo.init_checkpoint={p.init_checkpoint!r}: needs a params loader (train_ppo(..., "
+                              "load_params=...))")
+        updates_per_step = p.ppo_epochs * p.minibatches
+        optim = config.optim.to_dict()
+        actor_opt = {**optim, "total_steps": (p.steps - p.critic_warmup_steps) * updates_per_step}
+        critic_opt = {**optim, **p.critic_optim.to_dict(), "total_steps": p.steps * updates_per_step}
+        validate_optim_config(actor_opt)
+        validate_optim_config(critic_opt)
+        self.B, self.L = p.prompts_per_step * p.group_size, p.max_prompt_len + p.max_response_len
+        os.makedirs(workdir, exist_ok=True)
+        with open(os.path.join(workdir, "config.json"), "w") as f:
+            f.write(config.to_json(indent=2))
+        self.summary: dict = {}
+        model = self.initial_policy(load_params, optim, progress)
+        self.learner = Learner(model, p, actor_opt, critic_opt)
+        print(f"ppo: {p.task} ({p.env}), {self.B} rollouts/step ({p.prompts_per_step} prompts x {p.group_size}), "
+              f"{p.steps} steps, {p.advantage} + {p.policy_loss}, {'async' if p.async_rollout else 'sync'} rollouts")
+        print(self.learner.table)
+        # rollouts: the sampler runs on a device of its own when the trainer leaves one free
+        devices = jax.devices()
+        self.rollout_device = devices[p.data_parallel] if len(devices) > p.data_parallel else devices[0]
+        decoder = Decoder(model, p.mode)  # the model object only gives the structure; weights are passed per call
+        self.sampler = Sampler(decoder, self.B, p.max_prompt_len, p.max_response_len, p.temperature, p.top_p, TOK.PAD)
+        self.gen_rng, self.gen_key = np.random.default_rng(p.seed + 1), jax.random.key(p.seed + 1)
+        self.eval_problems = self.task.eval_set(p.eval_problems)
+        self.greedy = Sampler(decoder, self.B, p.max_prompt_len, p.max_response_len, 0.0, 1.0, TOK.PAD)
+        self.version = 0
 
-        def demo(rng):
-            problem = task.sample(rng)
-            return run_script(make_clean_env(problem, rng), script(problem))
+    def initial_policy(self, load_params: LoadParams | None, optim: dict, progress: bool) -> GLM:
+        """A checkpoint through the loader, or a supervised warm-up, or the random init."""
+        p = self.p
+        model = GLM(self.cfg, nnx.Rngs(p.seed))
+        if p.init_checkpoint is not None:
+            nnx.update(model, load_params(p.init_checkpoint, nnx.state(model)))
+        elif p.sft_steps:
+            script = SCRIPTS[p.sft_script]
 
-        losses = supervised_warmup(model, demo, p.sft_steps, p.sft_batch_size, L, optim, p.sft_lr, p.mode, TOK.PAD,
-                                   p.seed, progress)
-        summary["sft_first_loss"], summary["sft_last_loss"] = losses[0], losses[-1]
-    learner = Learner(model, p, actor_opt, critic_opt)
-    print(f"ppo: {p.task} ({p.env}), {B} rollouts/step ({p.prompts_per_step} prompts x {p.group_size}), "
-          f"{p.steps} steps, {p.advantage} + {p.policy_loss}, {'async' if p.async_rollout else 'sync'} rollouts")
-    print(learner.table)
+            def demo(rng):
+                problem = self.task.sample(rng)
+                return run_script(self.make_clean_env(problem, rng), script(problem))
 
-    # ----- rollouts: the sampler runs on a device of its own when the trainer leaves one free
-    devices = jax.devices()
-    rollout_device = devices[p.data_parallel] if len(devices) > p.data_parallel else devices[0]
-    decoder = Decoder(model, p.mode)  # the model object only gives the structure; weights are passed per call
-    sampler = Sampler(decoder, B, p.max_prompt_len, p.max_response_len, p.temperature, p.top_p, TOK.PAD)
-    gen_rng, gen_key = np.random.default_rng(p.seed + 1), jax.random.key(p.seed + 1)
+            losses = supervised_warmup(model, demo, p.sft_steps, p.sft_batch_size, self.L, optim, p.sft_lr, p.mode,
+                                       TOK.PAD, p.seed, progress)
+            self.summary["sft_first_loss"], self.summary["sft_last_loss"] = losses[0], losses[-1]
+        return model
 
-    def produce(state, version) -> RolloutBatch:
-        nonlocal gen_key
-        t = time.perf_counter()
-        problems = [task.sample(gen_rng) for _ in range(p.prompts_per_step)]
-        envs = [make_env(pr, gen_rng) for pr in problems for _ in range(p.group_size)]
+    def sampler_state(self):
+        return jax.device_put(self.learner.policy_state(), self.rollout_device)
+
+    def produce(self, state, version) -> RolloutBatch:
+        p, t = self.p, time.perf_counter()
+        problems = [self.task.sample(self.gen_rng) for _ in range(p.prompts_per_step)]
+        envs = [self.make_env(pr, self.gen_rng) for pr in problems for _ in range(p.group_size)]
         groups = [g for g in range(p.prompts_per_step) for _ in range(p.group_size)]
-        gen_key, sub = jax.random.split(gen_key)
-        samples = sampler.rollout(state, envs, groups, version, sub)
+        self.gen_key, sub = jax.random.split(self.gen_key)
+        samples = self.sampler.rollout(state, envs, groups, version, sub)
         return RolloutBatch(samples, version, time.perf_counter() - t, sum(len(s.response) for s in samples))
 
-    eval_problems = task.eval_set(p.eval_problems)
-    greedy = Sampler(decoder, B, p.max_prompt_len, p.max_response_len, 0.0, 1.0, TOK.PAD)
-
-    def evaluate() -> dict:
+    def evaluate(self) -> dict:
         """Held-out problems: greedy accuracy, and the solve rate of `eval_samples` sampled episodes per problem at
         the rollout temperature (smoother: it moves with the whole sampling distribution). The policy is measured
         without simulated crashes (ppo.env_crash_prob); an episode whose environment really crashes is not the
         policy's fault and is left out (NaN if every episode crashed)."""
-        state, out = learner.policy_state(), {}
-        for name, smp, reps in (("eval_accuracy", greedy, 1), ("eval_sampled_accuracy", sampler, p.eval_samples)):
-            problems = [pr for pr in eval_problems for _ in range(reps)]
+        p, B = self.p, self.B
+        state, out = self.learner.policy_state(), {}
+        for name, smp, reps in (("eval_accuracy", self.greedy, 1), ("eval_sampled_accuracy", self.sampler,
+                                                                      p.eval_samples)):
+            problems = [pr for pr in self.eval_problems for _ in range(reps)]
             rewards = []
             for i in range(0, len(problems), B):
                 chunk = problems[i:i + B]
-                envs = [make_clean_env(pr, np.random.default_rng([p.seed, i, j])) for j, pr in enumerate(chunk)]
+                envs = [self.make_clean_env(pr, np.random.default_rng([p.seed, i, j])) for j, pr in enumerate(chunk)]
                 samples = smp.rollout(state, envs, list(range(len(chunk))), -1, jax.random.key(i))
                 rewards += [s.reward for s in samples if s.status != "env_crash"]
             out[name] = float(np.mean(np.asarray(rewards) == 1.0)) if rewards else float("nan")
         return out
 
-    def sampler_state():
-        return jax.device_put(learner.policy_state(), rollout_device)
+    def step(self, step: int, worker: RolloutWorker | None, interceptions, start: float) -> tuple[dict, RolloutBatch]:
+        """One PPO step: a rollout batch (from the worker, or generated here), its interceptions logged, stale and
+        broken groups filtered, the learner's update, the new weights handed to the worker. -> (metrics, batch);
+        start: when the loop started (for metrics["wall_s"])."""
+        p, version = self.p, self.version
+        ts = time.perf_counter()
+        batch = worker.get() if worker else self.produce(self.sampler_state(), version)
+        wait = time.perf_counter() - ts
+        m = {"step": step, "version": version, **rollout_metrics(batch, version)}
+        for b, s in enumerate(batch.samples):
+            for r in s.info.get("interceptions", ()):
+                interceptions.write(json.dumps({"step": step, "sample": b, "group": s.group, **r}) + "\n")
+        interceptions.flush()
+        samples, counts = filter_groups(batch.samples, version, p.max_staleness, p.group_size)
+        m.update(counts)
+        tt = time.perf_counter()
+        train_actor = step > p.critic_warmup_steps
+        if samples:
+            m.update(self.learner.update(samples, version, self.B, self.L, train_actor))
+            if train_actor:
+                self.version += 1
+                if worker:
+                    worker.set_weights(self.sampler_state(), self.version)
+        now = time.perf_counter()
+        m.update(wait_s=wait, train_s=now - tt, step_s=now - ts, wait_share=wait / max(now - ts, 1e-9),
+                 wall_s=now - start)
+        return m, batch
 
-    version, worker = 0, None
+
+def train_ppo(config, workdir: str, progress: bool = True, load_params: LoadParams | None = None) -> dict:
+    """Run the PPO stage; writes workdir/{config.json, metrics.jsonl, interceptions.jsonl}. -> summary dict."""
+    t0 = time.perf_counter()
+    run = PPORun(config, workdir, load_params, progress)
+    p, summary = run.p, run.summary
+    worker = None
     if p.async_rollout:
-        worker = RolloutWorker(produce, p.rollout_ahead)
-        worker.set_weights(sampler_state(), version)
+        worker = RolloutWorker(run.produce, p.rollout_ahead)
+        worker.set_weights(run.sampler_state(), run.version)
         worker.start()
     start = time.perf_counter()
     summary.update({"setup_s": start - t0, "steps": p.steps})
     totals = dict.fromkeys(["wait_s", "step_s", "rollout_tokens", "rollout_s", "train_tokens", "train_s"], 0.0)
-    with open(os.path.join(workdir, "metrics.jsonl"), "w") as out, \
-            open(os.path.join(workdir, "interceptions.jsonl"), "w") as icpt, \
-            tqdm(total=p.steps, disable=not progress, dynamic_ncols=True, desc="ppo") as bar:
-        def write(record):
-            out.write(json.dumps(record) + "\n")
-            out.flush()
-
-        e = evaluate()
-        write({"step": 0, **e})
+    with MetricsLog(os.path.join(workdir, "metrics.jsonl"), "w", total=p.steps, disable=not progress,
+                    desc="ppo") as log, open(os.path.join(workdir, "interceptions.jsonl"), "w") as icpt:
+        e = run.evaluate()
+        log.write({"step": 0, **e})
         summary.update({k + "_start": v for k, v in e.items()})
-        bar.write(f"step 0: eval accuracy {e['eval_accuracy']:.3f} (sampled {e['eval_sampled_accuracy']:.3f})")
+        log.message(f"step 0: eval accuracy {e['eval_accuracy']:.3f} (sampled {e['eval_sampled_accuracy']:.3f})")
+        evals = EvalHook(run.evaluate, p.eval_every, p.steps, log, summary, eval_line)
         try:
             for step in range(1, p.steps + 1):
-                ts = time.perf_counter()
-                batch = worker.get() if worker else produce(sampler_state(), version)
-                wait = time.perf_counter() - ts
-                m = {"step": step, "version": version, **rollout_metrics(batch, version)}
-                for b, s in enumerate(batch.samples):
-                    for r in s.info.get("interceptions", ()):
-                        icpt.write(json.dumps({"step": step, "sample": b, "group": s.group, **r}) + "\n")
-                icpt.flush()
-                samples, counts = filter_groups(batch.samples, version, p.max_staleness, p.group_size)
-                m.update(counts)
-                tt = time.perf_counter()
-                train_actor = step > p.critic_warmup_steps
-                if samples:
-                    m.update(learner.update(samples, version, B, L, train_actor))
-                    if train_actor:
-                        version += 1
-                        if worker:
-                            worker.set_weights(sampler_state(), version)
-                now = time.perf_counter()
-                m.update(wait_s=wait, train_s=now - tt, step_s=now - ts, wait_share=wait / max(now - ts, 1e-9),
-                         wall_s=now - start)
+                m, batch = run.step(step, worker, icpt, start)
                 if step > 1:  # the first step compiles everything: reported, not averaged
-                    for k, v in (("wait_s", wait), ("step_s", now - ts), ("train_s", now - tt),
+                    for k, v in (("wait_s", m["wait_s"]), ("step_s", m["step_s"]), ("train_s", m["train_s"]),
                                  ("rollout_tokens", batch.tokens), ("rollout_s", batch.generate_s),
                                  ("train_tokens", m.get("train_tokens", 0.0))):
                         totals[k] += v
                 else:
-                    summary["first_step_s"] = now - ts
-                if step % p.log_every == 0 or step == p.steps:
-                    write(m)
-                if (p.eval_every and step % p.eval_every == 0) or step == p.steps:
-                    e = evaluate()
-                    write({"step": step, **e})
-                    ev = m.get("explained_variance")
-                    bar.write(f"step {step}: eval accuracy {e['eval_accuracy']:.3f} (sampled "
-                              f"{e['eval_sampled_accuracy']:.3f}), reward {m['reward_mean']:.3f}"
-                              + (f", explained variance {ev:.3f}" if ev is not None else ""))
-                    summary.update(e)
-                bar.update(1)
-                bar.set_postfix(reward=f"{m['reward_mean']:.2f}", wait=f"{m['wait_share']:.2f}")
+                    summary["first_step_s"] = m["step_s"]
+                if due(step, p.log_every, p.steps):
+                    log.write(m)
+                evals(step, m)
+                log.bar.update(1)
+                log.bar.set_postfix(reward=f"{m['reward_mean']:.2f}", wait=f"{m['wait_share']:.2f}")
                 summary["last"] = m
         finally:
             if worker:
@@ -344,9 +355,15 @@ def train_ppo(config, workdir: str, progress: bool = True, load_params: LoadPara
                    step_s=totals["step_s"] / max(p.steps - 1, 1),
                    rollout_tokens_per_s=totals["rollout_tokens"] / max(totals["rollout_s"], 1e-9),
                    trainer_tokens_per_s=totals["train_tokens"] / max(totals["train_s"], 1e-9),
-                   final_version=version, wall_s=time.perf_counter() - t0)
+                   final_version=run.version, wall_s=time.perf_counter() - t0)
     print("done: " + ", ".join(f"{k} {v:.4g}" for k, v in summary.items() if isinstance(v, float)))
     return summary
+
+
+def eval_line(step: int, e: dict, m: dict) -> str:
+    ev = m.get("explained_variance")
+    return (f"step {step}: eval accuracy {e['eval_accuracy']:.3f} (sampled {e['eval_sampled_accuracy']:.3f}), "
+            f"reward {m['reward_mean']:.3f}" + (f", explained variance {ev:.3f}" if ev is not None else ""))
 
 
 def rollout_metrics(batch: RolloutBatch, version: int) -> dict:

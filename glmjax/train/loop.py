@@ -1,53 +1,49 @@
-"""The training loop of every stage: data -> model -> jitted steps -> checkpoints and metrics.
+"""The training loop of every LM stage: data -> model -> jitted steps -> checkpoints and metrics.
 
-`run(config, workdir)` is train.py's entry point: one stage, or (stage="recipe") the recipe's stages in order,
-each in workdir/<stage> and initialised from the one before. `train(config, workdir)` runs one stage and survives
-interruptions: it resumes from the newest readable checkpoint of workdir (model, optimizer, data iterator, step),
-so a run killed at any point and started again continues with bitwise the same batches and losses. SIGTERM (and
-SIGINT) finish the current step, write a checkpoint and return. A non-finite loss never reaches the weights or a
-checkpoint: the step is skipped (nan_policy="skip") or the run stops with diagnostics ("stop").
+`run(config, workdir)` runs one stage, or (stage="recipe") the recipe's stages in order, each in workdir/<stage>
+and initialised from the one before (train.py reaches it through glmjax.launch). `train(config, workdir)` runs one
+stage and survives interruptions: it resumes from the newest readable checkpoint of workdir (model, optimizer, data
+iterator, step), so a run killed at any point and started again continues with bitwise the same batches and losses.
+SIGTERM (and SIGINT) finish the current step, write a checkpoint and return. A non-finite loss never reaches the
+weights or a checkpoint: the step is skipped (nan_policy="skip") or the run stops with diagnostics ("stop").
+
+A stage's run is `setup` (mesh, data, sharded model, optimizer), `restore` (checkpoint, or init_from),
+`build_steps`, then `iterate`: `one_step` per step with the hooks of glmjax/train/hooks.py (metrics records,
+eval, checkpoints / signals), and `finish` (summary).
 
 Outputs in workdir: config.json, metrics.jsonl (appended across restarts; a resumed run re-logs the steps after
 its checkpoint), tb/ (TensorBoard), checkpoints/, summary.json (written when the stage completes).
 """
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
-import signal
-import sys
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from tqdm import tqdm
 
 from glmjax.config import ConfigError, ModelConfig
 from glmjax.data import default_data_config, make_pipeline, validate_data_config
 from glmjax.flops import flops_per_token
+from glmjax.hardware import chip_of_device
 from glmjax.interop.keymap import model_config_json
 from glmjax.model.transformer import GLM, Batch
 from glmjax.optim import validate_optim_config
-from glmjax.train.checkpoint import Checkpoints, intact_steps, load_model_state
-from glmjax.train.resume import ConfigMismatch, archive_run, check_resume, config_diff, fingerprint
+from glmjax.parallel import (batch_sharding, create_sharded, global_batch, init_opt_state, make_mesh,
+                             num_batch_shards, process_rows, shardings_of)
+from glmjax.train.checkpoint import Checkpoints, intact_steps
 from glmjax.train.config import stage_config, validate_recipe, validate_stage, validate_train_config
-from glmjax.parallel import (batch_sharding, create_sharded, global_batch, init_opt_state, initialize_distributed,
-                             make_mesh, num_batch_shards, process_rows, shardings_of)
-from glmjax.train.stages import STAGES, TRAINABLE, surgery
+from glmjax.train.hooks import CheckpointHook, EvalHook, MetricsLog, due, stop_signals
+from glmjax.train.init_from import INIT_MARKERS, init_model
+from glmjax.train.resume import ConfigMismatch, archive_run, check_resume, config_diff, fingerprint
+from glmjax.train.stages import STAGES, TRAINABLE, Stage
 from glmjax.train.step import count_params, make_eval_step, make_optimizer, make_train_step
-
-# Peak dense bf16 FLOP/s per chip, by jax device_kind prefix (for MFU). Unknown chips and CPUs report "n/a".
-PEAK_FLOPS = {"TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12, "TPU v5": 459e12,
-              "TPU v6 lite": 918e12, "TPU v6e": 918e12, "NVIDIA H100": 989e12, "NVIDIA H200": 989e12,
-              "NVIDIA A100": 312e12}
-
-
-def peak_flops(device) -> float | None:
-    kind = getattr(device, "device_kind", "")
-    return next((v for k, v in sorted(PEAK_FLOPS.items(), key=lambda kv: -len(kv[0])) if kind.startswith(k)), None)
 
 
 def to_batch(b: dict) -> Batch:
@@ -67,13 +63,8 @@ def evaluate(eval_step, params, rest, batches) -> dict:
 
 
 def run(config, workdir: str, progress: bool = True) -> dict:
-    """One stage (config.stage) or the whole recipe (config.stage == "recipe") -> summary (per stage for a recipe).
-    Starts multi-host JAX first when config.parallel / the environment asks for it (glmjax.parallel.mesh)."""
-    initialize_distributed(config.parallel if "parallel" in config else None)
-    if config.stage == "ppo":  # post-training: glmjax/rl (its own loop: rollouts, critic, GAE)
-        from glmjax.rl.ppo import train_ppo
-
-        return train_ppo(config, workdir, progress, load_params=checkpoint_loader(ModelConfig.from_dict(config.model)))
+    """One LM stage (config.stage) or the whole recipe (config.stage == "recipe") -> summary (per stage for a
+    recipe). train.py reaches it through glmjax.launch.run (which also starts multi-host JAX and runs PPO)."""
     if config.stage != "recipe":
         return train(stage_config(config, config.stage), workdir, progress)
     validate_recipe(config)
@@ -113,9 +104,6 @@ def check_config(config, init_exists: bool = True):
     return cfg, data_cfg, stage
 
 
-INIT_MARKERS = ("checkpoints", "model_config.json", "config.json")
-
-
 def prepare_workdir(workdir: str, config) -> dict | None:
     """Create workdir and check it is writable -> the finished stage's summary if summary.json exists (and the
     config matches the one it finished with), else None (config.json written)."""
@@ -141,17 +129,73 @@ def prepare_workdir(workdir: str, config) -> dict | None:
     return None
 
 
+@dataclasses.dataclass
+class StageRun:
+    """One stage's run: what `setup` builds, the state `restore` and every step replace, the jitted steps
+    (`build_steps`) and the last step reached."""
+    config: Any
+    workdir: str
+    cfg: ModelConfig
+    stage: Stage
+    mode: str
+    mesh: Any
+    data: Any  # the training pipeline; `it` is its (checkpointed) iterator
+    it: Any
+    eval_set: list
+    graphdef: Any
+    params: Any
+    rest: Any
+    opt_state: Any
+    tx: Any
+    groups: Any  # the optimizer's GroupTable (its learning-rate schedules are logged)
+    ckpt: Checkpoints
+    run_fp: dict  # the config's fingerprint (glmjax/train/resume.py), stored in every checkpoint
+    n_train: int
+    n_all: int
+    start_step: int = 0
+    step: int = 0
+    train_step: Any = None
+    eval_step: Any = None
+
+    @property
+    def trainable(self):
+        return TRAINABLE[self.stage.trainable]
+
+    def global_rows(self, b) -> Batch:
+        """This process's rows -> one global, batch-sharded Batch."""
+        return to_batch(global_batch(b, self.mesh, self.config.train.batch_size))
+
+    def evaluate(self) -> dict:
+        return evaluate(self.eval_step, self.params, self.rest, [self.global_rows(b) for b in self.eval_set])
+
+    def save(self, step: int):
+        meta = {"step": step, "stage": self.config.stage, "model": model_config_json(self.cfg),
+                "fingerprint": self.run_fp}
+        self.ckpt.save(step, nnx.merge_state(self.params, self.rest).to_pure_dict(), self.opt_state,
+                       {"processes": all_processes(self.it.get_state())}, meta)
+
+
 def train(config, workdir: str, progress: bool = True) -> dict:
     """Run (or resume) one stage in workdir -> summary dict."""
     t0 = time.perf_counter()
-    t = config.train
     cfg, data_cfg, stage = check_config(config)
-    mode = stage.mode or t.mode
     finished = prepare_workdir(workdir, config)
     if finished is not None:
         return finished
-    done = os.path.join(workdir, "summary.json")
+    run = setup(config, workdir, cfg, data_cfg, stage)
+    restore(run)
+    build_steps(run)
+    with stop_signals() as stop:
+        summary: dict = {"stage": config.stage, "params": run.n_all, "trainable_params": run.n_train,
+                         "start_step": run.start_step, "setup_s": time.perf_counter() - t0, "skipped_steps": 0}
+        records = iterate(run, summary, stop, progress, t0)
+    return finish(run, summary, records, t0)
 
+
+def setup(config, workdir: str, cfg: ModelConfig, data_cfg, stage: Stage) -> StageRun:
+    """Mesh, data pipelines (train and eval), the model created sharded, the optimizer and the checkpoint manager
+    of one stage; nothing restored yet."""
+    t = config.train
     mesh = make_mesh(config.parallel if "parallel" in config else None)
     pid, nproc = jax.process_index(), jax.process_count()
     share = t.batch_size // nproc
@@ -167,170 +211,208 @@ def train(config, workdir: str, progress: bool = True) -> dict:
         raise ConfigError(f"model.vocab_size={cfg.vocab_size}: must be >= the tokenizer's {data.tokenizer.vocab_size}")
     print(f"data: {data!r}; {len(eval_set)} eval batches; mesh {dict(mesh.shape)}, {nproc} process(es)")
 
-    def global_rows(b):  # this process's rows -> one global, batch-sharded Batch
-        return to_batch(global_batch(b, mesh, t.batch_size))
-
-    trainable = TRAINABLE[stage.trainable]
-    graphdef, params, rest = create_sharded(lambda: GLM(cfg, nnx.Rngs(t.seed)), mesh, trainable, ...)
-    shardings = (shardings_of(params), shardings_of(rest))  # before surgery writes host arrays into them
+    graphdef, params, rest = create_sharded(lambda: GLM(cfg, nnx.Rngs(t.seed)), mesh, TRAINABLE[stage.trainable],
+                                            ...)
     n_train, n_all = count_params(params), count_params(nnx.merge_state(params, rest).filter(nnx.Param))
+    mode = stage.mode or t.mode
     print(f"stage {config.stage}: attention {mode}, trains {stage.trainable} ({n_train:,} of {n_all:,} params); "
           f"{t.batch_size}x{t.seq_len} tokens/step, {t.steps} steps")
     tx, groups = make_optimizer(params, config.optim, t.steps, cfg)
     print(groups)
     opt_state = init_opt_state(tx, params, mesh)
-
-    start_step, it, init_path = 0, iter(data), config.init_from
-    run_fp = fingerprint(config)
     ckpt = Checkpoints(workdir, t.keep_checkpoints, t.async_checkpoints)
+    return StageRun(config, workdir, cfg, stage, mode, mesh, data, iter(data), eval_set, graphdef, params, rest,
+                    opt_state, tx, groups, ckpt, fingerprint(config), n_train, n_all)
+
+
+def restore(run: StageRun):
+    """Resume from the newest readable checkpoint of the workdir (model, optimizer, data iterator, step), or, with
+    none, initialise the model from config.init_from. The checkpoints of a changed config are an error or are
+    archived first (train.on_config_change; "weights" then initialises from the archived run)."""
+    t, init_path = run.config.train, run.config.init_from
     try:
-        restored = ckpt.restore_latest(nnx.merge_state(params, rest).to_pure_dict(), opt_state,
-                                       lambda meta, step: check_resume(meta, step, run_fp, ckpt.directory))
+        restored = run.ckpt.restore_latest(nnx.merge_state(run.params, run.rest).to_pure_dict(), run.opt_state,
+                                           lambda meta, step: check_resume(meta, step, run.run_fp,
+                                                                           run.ckpt.directory))
     except ConfigMismatch as e:
-        ckpt.close()
+        run.ckpt.close()
         if t.on_config_change == "error":
             raise
-        old = archive_run(workdir)
+        old = archive_run(run.workdir)
         print(f"train.on_config_change={t.on_config_change!r}: {e}\n-> the old run was moved to {old}; starting "
               f"at step 0" + (" from its model weights" if t.on_config_change == "weights" else ""))
         if t.on_config_change == "weights":
             init_path = old
-        restored, ckpt = None, Checkpoints(workdir, t.keep_checkpoints, t.async_checkpoints)
+        restored, run.ckpt = None, Checkpoints(run.workdir, t.keep_checkpoints, t.async_checkpoints)
     except BaseException:
-        ckpt.close()
+        run.ckpt.close()
         raise
-    if not restored and init_path:
-        model = nnx.merge(graphdef, params, rest)
-        for line in init_model(model, init_path):
-            print(f"init_from {init_path}: {line}")
-        _, new_params, new_rest = nnx.split(model, trainable, ...)
-        params, rest = jax.device_put((new_params, new_rest), shardings)
-        del model
     if restored:
-        start_step, model_state, opt_state, data_state, meta = restored
-        state = nnx.merge_state(params, rest)
-        nnx.replace_by_pure_dict(state, model_state)
-        _, params, rest = nnx.split(nnx.merge(graphdef, state), trainable, ...)
-        if len(data_state["processes"]) != nproc:
-            raise ConfigError(f"checkpoint {ckpt.directory}/{start_step} was written by "
-                              f"{len(data_state['processes'])} processes; resuming needs the same count, not {nproc}")
-        it.set_state(data_state["processes"][pid])
-        print(f"resumed from {ckpt.directory}/{start_step} (stage {meta.get('stage')})")
+        resume_from(run, restored)
+    elif init_path:
+        init_weights(run, init_path)
 
-    train_step = make_train_step(graphdef, tx, stage, mode, t.bias_update_rate, t.index_loss_weight,
-                                 t.inject_nan_at_step, mesh=mesh, state=(params, rest, opt_state))
-    eval_step = make_eval_step(graphdef, stage, mode, mesh=mesh, state=(params, rest))
-    flops_mode = "dense" if mode == "dense" else "dsa_indexshare"
-    train_flops = flops_per_token(cfg, t.seq_len, "training", flops_mode)["total"]
-    peak = peak_flops(jax.devices()[0])
-    peak = peak * mesh.size if peak else None
 
-    def save(step):
-        meta = {"step": step, "stage": config.stage, "model": model_config_json(cfg), "fingerprint": run_fp}
-        ckpt.save(step, nnx.merge_state(params, rest).to_pure_dict(), opt_state,
-                  {"processes": all_processes(it.get_state())}, meta)
+def resume_from(run: StageRun, restored: tuple):
+    """Put a restored checkpoint (step, model state, optimizer state, data state, meta) into `run`."""
+    run.start_step, model_state, run.opt_state, data_state, meta = restored
+    run.step = run.start_step
+    state = nnx.merge_state(run.params, run.rest)
+    nnx.replace_by_pure_dict(state, model_state)
+    _, run.params, run.rest = nnx.split(nnx.merge(run.graphdef, state), run.trainable, ...)
+    nproc = jax.process_count()
+    if len(data_state["processes"]) != nproc:
+        raise ConfigError(f"checkpoint {run.ckpt.directory}/{run.start_step} was written by "
+                          f"{len(data_state['processes'])} processes; resuming needs the same count, not {nproc}")
+    run.it.set_state(data_state["processes"][jax.process_index()])
+    print(f"resumed from {run.ckpt.directory}/{run.start_step} (stage {meta.get('stage')})")
 
-    stop = {"signal": None}
 
-    def on_signal(signum, frame):
-        stop["signal"] = signal.Signals(signum).name
+def init_weights(run: StageRun, path: str):
+    """Overwrite the fresh model's weights from `path` (see `init_model`), keeping their shardings."""
+    shardings = (shardings_of(run.params), shardings_of(run.rest))
+    model = nnx.merge(run.graphdef, run.params, run.rest)
+    for line in init_model(model, path):
+        print(f"init_from {path}: {line}")
+    _, new_params, new_rest = nnx.split(model, run.trainable, ...)
+    run.params, run.rest = jax.device_put((new_params, new_rest), shardings)
 
-    old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    writer = tensorboard_writer(workdir) if t.tensorboard and pid == 0 else None
-    summary: dict = {"stage": config.stage, "params": n_all, "trainable_params": n_train, "start_step": start_step,
-                     "setup_s": time.perf_counter() - t0, "skipped_steps": 0}
-    window_t, window_tokens, timed_tokens, timed_s = time.perf_counter(), 0, 0, 0.0
-    step, failure = start_step, None
+
+def build_steps(run: StageRun):
+    """The stage's jitted train and eval steps, sharded like the (restored) state."""
+    t = run.config.train
+    run.train_step = make_train_step(run.graphdef, run.tx, run.stage, run.mode, t.bias_update_rate,
+                                     t.index_loss_weight, t.inject_nan_at_step, mesh=run.mesh,
+                                     state=(run.params, run.rest, run.opt_state))
+    run.eval_step = make_eval_step(run.graphdef, run.stage, run.mode, mesh=run.mesh, state=(run.params, run.rest))
+
+
+def iterate(run: StageRun, summary: dict, stop: dict, progress: bool, t0: float) -> StepRecords:
+    """The step loop with its hooks (records, eval, checkpoints) from run.start_step to train.steps, or until a
+    caught signal; the checkpoint manager is closed (asynchronous saves waited for) whatever happens. A full disk
+    raises DiskFull naming the last intact checkpoint."""
+    t, pid = run.config.train, jax.process_index()
+    failure = None
     try:
-        with open(os.path.join(workdir, "metrics.jsonl") if pid == 0 else os.devnull, "a") as out, \
-                tqdm(total=t.steps, initial=start_step, disable=not progress or pid != 0, dynamic_ncols=True,
-                     desc=config.stage) as bar:
-            def write(record):
-                out.write(json.dumps(record) + "\n")
-                out.flush()
-                if writer:
-                    for k, v in record.items():
-                        if k != "step":
-                            writer.add_scalar(k, v, record["step"])
-
-            for step in range(start_step + 1, t.steps + 1):
-                b = next(it)
-                params, rest, opt_state, m = train_step(params, rest, opt_state, global_rows(b), jnp.int32(step))
-                window_tokens += int(np.sum(b["segment_ids"] > 0)) * nproc
-                if int(m["skipped"]):
-                    summary["skipped_steps"] += 1
-                    bad = {k: float(v) for k, v in jax.device_get(m).items() if np.ndim(v) == 0}
-                    write({"step": step, "skipped": 1, **{f"bad_{k}": v for k, v in bad.items()
-                                                          if np.isfinite(v)}})
-                    msg = (f"step {step}: non-finite loss/gradient (loss {bad['loss']}, grad_norm "
-                           f"{bad['grad_norm']}); the update was not applied")
-                    bar.write(msg)
-                    if t.nan_policy == "stop":
-                        raise FloatingPointError(msg + f"; stopping (train.nan_policy='stop'). The last good "
-                                                       f"checkpoint is step {max(ckpt.steps(), default=None)}")
-                bar.update(1)
-                if step == start_step + 1 or step % t.log_every == 0 or step == t.steps:
-                    m = jax.device_get(m)
-                    now = time.perf_counter()
-                    if step > start_step + 1:  # the first step compiles: not counted in tokens/s
-                        timed_tokens, timed_s = timed_tokens + window_tokens, timed_s + now - window_t
-                    else:
-                        summary["first_step_s"], summary["first_loss"] = now - t0, float(m["loss"])
-                    tps = window_tokens / max(now - window_t, 1e-9)
-                    record = {"step": step, **{k: float(v) for k, v in m.items() if np.ndim(v) == 0},
-                              **{f"lr_{g}": float(s(step - 1)) for g, s in groups.schedules.items()},
-                              "tokens_per_s": tps, "wall_s": now - t0}
-                    if peak and step > start_step + 1:
-                        record["mfu"] = tps * train_flops / peak
-                    write(record)
-                    bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{tps:,.0f}",
-                                    mfu=f"{record['mfu']:.1%}" if "mfu" in record else "n/a")
-                    summary["last_loss"] = record["loss"]
-                    window_t, window_tokens = time.perf_counter(), 0
-                if eval_set and ((t.eval_every and step % t.eval_every == 0) or step == t.steps):
-                    e0 = time.perf_counter()
-                    e = evaluate(eval_step, params, rest, [global_rows(b) for b in eval_set])
-                    write({"step": step, **e})
-                    bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in e.items()))
-                    summary.update(e)
-                    window_t += time.perf_counter() - e0  # eval time is not training throughput
-                if step % t.checkpoint_every == 0 or step == t.steps:
-                    save(step)
-                if stop["signal"] and step < t.steps:  # at the last step the stage is complete
-                    if step % t.checkpoint_every and step != t.steps:
-                        save(step)
-                    bar.write(f"{stop['signal']}: checkpoint written at step {step}; stopping")
-                    summary["interrupted"] = stop["signal"]
+        with MetricsLog(os.path.join(run.workdir, "metrics.jsonl") if pid == 0 else os.devnull, "a",
+                        os.path.join(run.workdir, "tb") if t.tensorboard and pid == 0 else None, total=t.steps,
+                        initial=run.start_step, disable=not progress or pid != 0, desc=run.config.stage) as log:
+            records = StepRecords(run, log, summary, t0)
+            evals = EvalHook(run.evaluate, t.eval_every, t.steps, log, summary, eval_line) if run.eval_set else None
+            checkpoints = CheckpointHook(run.save, t.checkpoint_every, t.steps, stop, log)
+            for step in range(run.start_step + 1, t.steps + 1):
+                run.step = step
+                m = one_step(run, step, records, log, summary)
+                log.bar.update(1)
+                records(step, m)
+                if evals:
+                    records.pause(evals(step))  # eval time is not training throughput
+                signame = checkpoints(step)
+                if signame:
+                    summary["interrupted"] = signame
                     break
     except Exception as e:  # noqa: BLE001 -- re-raised below, after the checkpoints are closed
         failure = e
     finally:
         try:
-            ckpt.close()
+            run.ckpt.close()
         except Exception as e:  # noqa: BLE001 -- an asynchronous save that failed reports here
             failure = failure or e
-        if writer:
-            writer.close()
-        for s, h in old_handlers.items():
-            signal.signal(s, h)
     if failure is not None:
         if disk_full(failure):
-            good = intact_steps(ckpt.directory)
-            raise DiskFull(f"no space left on the device of {workdir} at step {step}; the last intact checkpoint "
-                           f"is " + (f"step {good[-1]} ({ckpt.step_dir(good[-1])})" if good else "none")
+            good = intact_steps(run.ckpt.directory)
+            raise DiskFull(f"no space left on the device of {run.workdir} at step {run.step}; the last intact "
+                           f"checkpoint is " + (f"step {good[-1]} ({run.ckpt.step_dir(good[-1])})" if good else "none")
                            + ". Free space and rerun the same command to resume") from failure
         raise failure
-    summary["step"] = step
-    summary["tokens_per_s"] = timed_tokens / timed_s if timed_s else None  # None: no timed step (resumed at the end)
+    return records
+
+
+def one_step(run: StageRun, step: int, records: StepRecords, log: MetricsLog, summary: dict) -> dict:
+    """Train step `step` on the next batch -> its metrics (on device). A skipped step (non-finite loss or gradient:
+    nothing was applied) is logged, and stops the run under train.nan_policy="stop"."""
+    b = next(run.it)
+    run.params, run.rest, run.opt_state, m = run.train_step(run.params, run.rest, run.opt_state, run.global_rows(b),
+                                                            jnp.int32(step))
+    records.count(int(np.sum(b["segment_ids"] > 0)) * jax.process_count())
+    if int(m["skipped"]):
+        summary["skipped_steps"] += 1
+        bad = {k: float(v) for k, v in jax.device_get(m).items() if np.ndim(v) == 0}
+        log.write({"step": step, "skipped": 1, **{f"bad_{k}": v for k, v in bad.items() if np.isfinite(v)}})
+        msg = (f"step {step}: non-finite loss/gradient (loss {bad['loss']}, grad_norm {bad['grad_norm']}); the "
+               "update was not applied")
+        log.message(msg)
+        if run.config.train.nan_policy == "stop":
+            raise FloatingPointError(msg + f"; stopping (train.nan_policy='stop'). The last good checkpoint is step "
+                                           f"{max(run.ckpt.steps(), default=None)}")
+    return m
+
+
+def eval_line(step: int, e: dict, step_metrics) -> str:
+    return f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in e.items())
+
+
+class StepRecords:
+    """The training records of the LM loop (a metrics hook): at the first step, every train.log_every steps and at
+    the last, the step's scalar metrics, the learning rates, tokens/s since the previous record and MFU, written to
+    the metrics log and the progress bar. The first step (compilation) and evaluations (`pause`) are left out of
+    the throughput."""
+
+    def __init__(self, run: StageRun, log: MetricsLog, summary: dict, t0: float):
+        self.run, self.log, self.summary, self.t0 = run, log, summary, t0
+        self.window_t, self.window_tokens, self.timed_tokens, self.timed_s = time.perf_counter(), 0, 0, 0.0
+        flops_mode = "dense" if run.mode == "dense" else "dsa_indexshare"
+        self.train_flops = flops_per_token(run.cfg, run.config.train.seq_len, "training", flops_mode)["total"]
+        chip = chip_of_device(jax.devices()[0])
+        self.peak = chip.peak_bf16_flops * run.mesh.size if chip else None
+
+    def count(self, tokens: int):
+        self.window_tokens += tokens
+
+    def pause(self, seconds: float):
+        self.window_t += seconds
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Over the timed steps; None: no timed step (e.g. resumed at the end)."""
+        return self.timed_tokens / self.timed_s if self.timed_s else None
+
+    def __call__(self, step: int, m: dict):
+        run, first = self.run, self.run.start_step + 1
+        if not (step == first or due(step, run.config.train.log_every, run.config.train.steps)):
+            return
+        m = jax.device_get(m)
+        now = time.perf_counter()
+        if step > first:  # the first step compiles: not counted in tokens/s
+            self.timed_tokens, self.timed_s = self.timed_tokens + self.window_tokens, self.timed_s + now - self.window_t
+        else:
+            self.summary["first_step_s"], self.summary["first_loss"] = now - self.t0, float(m["loss"])
+        tps = self.window_tokens / max(now - self.window_t, 1e-9)
+        record = {"step": step, **{k: float(v) for k, v in m.items() if np.ndim(v) == 0},
+                  **{f"lr_{g}": float(s(step - 1)) for g, s in run.groups.schedules.items()},
+                  "tokens_per_s": tps, "wall_s": now - self.t0}
+        if self.peak and step > first:
+            record["mfu"] = tps * self.train_flops / self.peak
+        self.log.write(record)
+        self.log.bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{tps:,.0f}",
+                                 mfu=f"{record['mfu']:.1%}" if "mfu" in record else "n/a")
+        self.summary["last_loss"] = record["loss"]
+        self.window_t, self.window_tokens = time.perf_counter(), 0
+
+
+def finish(run: StageRun, summary: dict, records: StepRecords, t0: float) -> dict:
+    """Complete the summary (a stage that ran to the end also gets its final eval and summary.json) and print it."""
+    summary["step"] = run.step
+    summary["tokens_per_s"] = records.tokens_per_s
     if not summary.get("interrupted"):
         if "last_loss" not in summary:  # resumed at the last checkpoint: nothing trained in this process
-            summary["last_loss"] = last_logged_loss(os.path.join(workdir, "metrics.jsonl"), step)
-        if eval_set and "eval_loss" not in summary:
-            summary.update(evaluate(eval_step, params, rest, [global_rows(b) for b in eval_set]))
-    summary["data"] = data.stats
+            summary["last_loss"] = last_logged_loss(os.path.join(run.workdir, "metrics.jsonl"), run.step)
+        if run.eval_set and "eval_loss" not in summary:
+            summary.update(run.evaluate())
+    summary["data"] = run.data.stats
     summary["wall_s"] = time.perf_counter() - t0
-    if not summary.get("interrupted") and pid == 0:
-        with open(done, "w") as f:
+    if not summary.get("interrupted") and jax.process_index() == 0:
+        with open(os.path.join(run.workdir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2, default=float)
     print("done: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()
                                if not isinstance(v, dict)))
@@ -389,43 +471,3 @@ def all_processes(state: dict) -> list[dict]:
     padded[:raw.size] = raw
     everyone = multihost_utils.process_allgather(padded)
     return [json.loads(bytes(row[:int(n)]).decode()) for row, n in zip(everyone, np.ravel(sizes))]
-
-
-def init_model(model: GLM, path: str) -> list[str]:
-    """Initialise `model` in place from `path`: a stage workdir (orbax checkpoints/), a directory written by
-    `python -m glmjax.interop.hf import`, or a Hugging Face safetensors checkpoint. -> log lines."""
-    if os.path.isdir(os.path.join(path, "checkpoints")):
-        state, meta, step = load_model_state(path)
-        src_cfg = ModelConfig.from_dict(meta["model"])
-        where = f"stage {meta.get('stage')} step {step}"
-    elif os.path.exists(os.path.join(path, "model_config.json")) or os.path.exists(os.path.join(path, "config.json")):
-        from glmjax.interop.hf import load_checkpoint, load_hf
-
-        src = load_checkpoint(path)[0] if os.path.exists(os.path.join(path, "model_config.json")) else load_hf(path)[0]
-        state, src_cfg, where = nnx.state(src).to_pure_dict(), src.cfg, "imported weights"
-    else:
-        raise FileNotFoundError(f"init_from={path!r}: neither a stage workdir (checkpoints/), an imported "
-                                "checkpoint (model_config.json) nor a Hugging Face checkpoint (config.json)")
-    return [where] + surgery(model, state, src_cfg)
-
-
-def checkpoint_loader(cfg: ModelConfig):
-    """-> load(path, target_state) -> state: `target_state` (a GLM of `cfg`) overwritten from `path` (see
-    `init_model`: a stage workdir, an imported or a Hugging Face checkpoint), for the PPO stage's init_checkpoint."""
-    def load(path: str, target_state):
-        model = GLM(cfg, nnx.Rngs(0))
-        nnx.update(model, target_state)
-        for line in init_model(model, path):
-            print(f"init_checkpoint {path}: {line}")
-        return nnx.state(model)
-
-    return load
-
-
-def tensorboard_writer(workdir: str):
-    try:
-        from tensorboardX import SummaryWriter
-    except ImportError:  # optional: JSONL metrics are always written
-        print("tensorboardX is not installed: TensorBoard logs off", file=sys.stderr)
-        return None
-    return SummaryWriter(os.path.join(workdir, "tb"))

@@ -1,4 +1,7 @@
-"""Optimizer, trainable-parameter split, and the jitted train / eval steps (functional: state in, state out)."""
+"""Optimizer, trainable-parameter split, and the train / eval steps (functional: state in, state out).
+
+`train_step_fn` is the one train step: the trainer (`make_train_step`), the AOT tool (glmjax/train/aot.py), the
+supervised PPO warm-up and the sharding tests all run it."""
 from __future__ import annotations
 
 import functools
@@ -49,11 +52,14 @@ def jit_step(fn, mesh=None, state=None, donate: bool = True):
     return shard_eval_step(fn, mesh, *state)
 
 
-def make_train_step(graphdef, tx, stage: Stage | str, mode: str, bias_rate: float, index_loss_weight: float = 1.0,
-                    inject_nan_at: int | None = None, mesh=None, state=None):
-    """-> train_step(params, rest, opt_state, batch, step) -> (params, rest, opt_state, metrics), jitted, donating
-    (with `mesh`: explicit shardings from state = (params, rest, opt_state), see `jit_step`).
+def train_step_fn(graphdef, tx, stage: Stage | str, mode: str, bias_rate: float, index_loss_weight: float = 1.0,
+                  inject_nan_at: int | None = None):
+    """-> the pure (unjitted) train step of `stage`, the one the trainer runs:
+    train_step(params, rest, opt_state, batch, step) -> (params, rest, opt_state, metrics). Jit it with
+    `make_train_step`, or lower it ahead of time (glmjax/train/aot.py).
 
+    Gradients reach the stage's trainable parameters (`params`; `split_model(model, stage.trainable)`), the loss
+    has the stage's weights, and stages that move the router bias update it from the step's (global) expert load.
     A step whose loss or gradient norm is not finite changes nothing (params, optimizer state and router biases
     stay as they were) and reports metrics["skipped"] = 1. inject_nan_at (tests only) multiplies the loss of that
     step by NaN."""
@@ -85,7 +91,14 @@ def make_train_step(graphdef, tx, stage: Stage | str, mode: str, bias_rate: floa
         metrics["skipped"] = 1 - ok.astype(jnp.int32)
         return keep(new_params, params), keep(new_rest, rest), keep(new_opt, opt_state), metrics
 
-    return jit_step(train_step, mesh, state)
+    return train_step
+
+
+def make_train_step(graphdef, tx, stage: Stage | str, mode: str, bias_rate: float, index_loss_weight: float = 1.0,
+                    inject_nan_at: int | None = None, mesh=None, state=None):
+    """-> `train_step_fn(...)` jitted, donating the state (with `mesh`: explicit shardings from
+    state = (params, rest, opt_state), see `jit_step`)."""
+    return jit_step(train_step_fn(graphdef, tx, stage, mode, bias_rate, index_loss_weight, inject_nan_at), mesh, state)
 
 
 def make_eval_step(graphdef, stage: Stage | str, mode: str, mesh=None, state=None):
@@ -111,7 +124,7 @@ def topk_stats(model: GLM, batch: Batch) -> dict:
     head-mean probability), and "adjacent_overlap" = mean over neighbouring layers of the overlap of their attention
     top-k sets (how much IndexShare's reuse loses)."""
     _, aux = model(batch, "dense", topk_stats=True)
-    attn, index = aux["attn_topk"], aux["index_topk"]
+    attn, index = aux["attn_topk"], aux["index_topk"]  # the only read of the model's top-k sets
     full = [i for i, t in enumerate(model.cfg.layer_indexer_types) if t == "full"]
     T = batch.tokens.shape[1]
     return {"topk_recall": jnp.mean(topk_overlap(index, attn[jnp.asarray(full)], T)),

@@ -1,14 +1,16 @@
-"""Ahead-of-time compilation of the whole training step (forward, backward, optimizer, router-bias update) for a
-TPU topology, from a CPU host: no TPU and no weights needed (abstract inputs only).
+"""Ahead-of-time compilation of the trainer's train step (`glmjax.train.step.train_step_fn`: forward, backward,
+optimizer, router-bias update, non-finite guard) for a TPU topology, from a CPU host: no TPU and no weights needed
+(abstract inputs only).
 
     devices = topology_devices("v5p:8x8x16")                       # 1024 v5p chips, described by libtpu
     mesh = make_mesh(dict(fsdp=4, expert=64, tensor=4), devices)
-    compiled = compile_train_step(model_cfg, optim_cfg, mesh, batch=256, seq=4096)
-    memory_per_chip(compiled), compiled.cost_analysis()
+    compiled = lower_train_step(model_cfg, optim_cfg, mesh, batch=256, seq=4096).compile()
+    memory_per_chip(compiled), cost(compiled), roofline(cost(compiled), "v5p")
 
 What the compiler reports is an estimate, not a measurement. XLA's cost analysis counts the body of a while loop
 once, not once per trip, so the FLOPs / time of a scanned model are those of one layer; `bench/aot.py` therefore
-estimates time from unrolled builds (see `estimate_build`) and checks that no loop is left.
+estimates time from unrolled builds (see `estimate_build`) and checks that no loop is left. The chips' peak numbers
+are glmjax/hardware.py's.
 """
 from __future__ import annotations
 
@@ -18,77 +20,44 @@ import re
 import numpy as np
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from glmjax.config import ModelConfig
-from glmjax.parallel.sharding import abstract, opt_state_shardings, shard_train_step, state_shardings
-
-GiB = 2 ** 30
-PEAK_BF16_FLOPS = {"v4": 275e12, "v5e": 197e12, "v5p": 459e12, "v6e": 918e12}  # per chip
-HBM_BYTES = {"v4": 32 * GiB, "v5e": 16 * GiB, "v5p": 95 * GiB, "v6e": 32 * GiB}
-HBM_BANDWIDTH = {"v4": 1228e9, "v5e": 819e9, "v5p": 2765e9, "v6e": 1640e9}  # bytes/s per chip
-ICI_BANDWIDTH = {"v4": 300e9, "v5e": 200e9, "v5p": 600e9, "v6e": 448e9}  # bytes/s per chip, all links (public specs)
-
-
-def chip(topology_name: str) -> str:
-    """"v5p:8x8x16" -> "v5p"."""
-    gen = topology_name.split(":")[0].lower()
-    if gen not in PEAK_BF16_FLOPS:
-        raise ValueError(f"topology {topology_name!r}: unknown chip {gen!r} (known: {sorted(PEAK_BF16_FLOPS)})")
-    return gen
+from glmjax.hardware import CHIPS, chip_of_topology
+from glmjax.model import GLM, Batch
+from glmjax.optim import build_optimizer
+from glmjax.parallel import abstract, batch_sharding, opt_state_shardings, state_shardings
+from glmjax.train.stages import STAGES, TRAINABLE
+from glmjax.train.step import make_train_step
 
 
 def topology_devices(topology_name: str, num_slices: int = 1) -> list:
     """Devices of a TPU topology, e.g. "v5p:2x2x2" (8 chips) or "v5e:2x4" (v5e-8); libtpu only describes them."""
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # several processes may describe topologies at once
     from jax.experimental import topologies
-    chip(topology_name)
+    chip_of_topology(topology_name)
     return list(topologies.get_topology_desc(platform="tpu", topology_name=topology_name,
                                              num_slices=num_slices).devices)
 
 
-def make_step(graphdef, tx, mode: str, index_loss_weight: float, bias_rate: float):
-    """The pure step the trainer runs: loss (LM + MTP, and the indexer KL when index_loss_weight > 0), gradients of
-    every trainable parameter, optimizer update, aux-loss-free router-bias update from the global expert load."""
-    import optax
-    from glmjax.train.router_bias import update_router_bias
-
-    def step(params, rest, opt_state, batch):
-        def loss_fn(p):
-            return nnx.merge(graphdef, p, rest).loss(batch, mode, index_loss_weight=index_loss_weight)
-
-        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        model = nnx.merge(graphdef, params, rest)
-        update_router_bias(model, metrics.get("expert_load"), bias_rate)
-        _, params, rest = nnx.split(model, nnx.Param, ...)
-        return params, rest, opt_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
-
-    return step
-
-
-def lower_train_step(cfg: ModelConfig, optim_cfg, mesh, batch: int, seq: int, *, mode: str = "sparse",
-                     index_loss_weight: float = 1.0, bias_rate: float = 1e-3):
-    """-> jax.stages.Lowered of the sharded train step on abstract inputs: every parameter trains (the sparse
-    adaptation stage: the most memory), batch [batch, seq] split over the batch axes."""
-    import jax.numpy as jnp
-    from glmjax.model import GLM, Batch
-    from glmjax.optim import build_optimizer
-    from glmjax.parallel.sharding import batch_sharding
-
-    graphdef, abs_params, abs_rest = nnx.split(nnx.eval_shape(lambda: GLM(cfg, nnx.Rngs(0))), nnx.Param, ...)
+def lower_train_step(cfg: ModelConfig, optim_cfg, mesh, batch: int, seq: int, *, stage: str = "sparse_adapt",
+                     mode: str = "sparse", index_loss_weight: float = 1.0, bias_rate: float = 1e-3):
+    """-> jax.stages.Lowered of the trainer's sharded train step of `stage` on abstract inputs (by default the
+    sparse adaptation stage: every parameter trains, the most memory), batch [batch, seq] split over the batch
+    axes."""
+    trainable = TRAINABLE[STAGES[stage].trainable]
+    graphdef, abs_params, abs_rest = nnx.split(nnx.eval_shape(lambda: GLM(cfg, nnx.Rngs(0))), trainable, ...)
     params = abstract(abs_params, state_shardings(abs_params, mesh))
     rest = abstract(abs_rest, state_shardings(abs_rest, mesh))
     opt_cfg = {**(optim_cfg.to_dict() if hasattr(optim_cfg, "to_dict") else dict(optim_cfg))}
     opt_cfg["total_steps"] = max(opt_cfg.get("total_steps") or 0, opt_cfg.get("warmup_steps", 0) + 1)
     tx, _ = build_optimizer(abs_params, opt_cfg, cfg)
     opt_state = abstract(jax.eval_shape(tx.init, params), opt_state_shardings(tx, params, mesh))
-    bs = batch_sharding(mesh)
-    tok = jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=bs)
-    step = shard_train_step(make_step(graphdef, tx, mode, index_loss_weight, bias_rate), mesh, params, rest,
-                            opt_state)
-    return step.lower(params, rest, opt_state, Batch(tok, tok, tok))
+    tok = jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=batch_sharding(mesh))
+    step = make_train_step(graphdef, tx, stage, mode, bias_rate, index_loss_weight, mesh=mesh,
+                           state=(params, rest, opt_state))
+    return step.lower(params, rest, opt_state, Batch(tok, tok, tok), jax.ShapeDtypeStruct((), jnp.int32))
 
 
 def memory_per_chip(compiled) -> dict:
@@ -164,13 +133,13 @@ def cost(compiled) -> dict:
 
 
 def roofline(c: dict, gen: str) -> dict:
-    """Step-time bounds per chip from counts c (flops, bytes, comm_bytes) and the chip's peaks: "compute",
-    "memory" (HBM) and "network" (ICI) seconds; "fast" = their max (everything overlapped), "slow" = their sum
-    (nothing overlapped)."""
-    t = {"compute": c["flops"] / PEAK_BF16_FLOPS[gen], "memory": c["bytes"] / HBM_BANDWIDTH[gen],
-         "network": c["comm_bytes"] / ICI_BANDWIDTH[gen]}
+    """Step-time bounds per chip from counts c (flops, bytes, comm_bytes) and the peaks of chip `gen` (a
+    glmjax.hardware.CHIPS name): "compute", "memory" (HBM) and "network" (ICI) seconds; "fast" = their max
+    (everything overlapped), "slow" = their sum (nothing overlapped)."""
+    chip = CHIPS[gen]
+    t = {"compute": c["flops"] / chip.peak_bf16_flops, "memory": c["bytes"] / chip.hbm_bandwidth,
+         "network": c["comm_bytes"] / chip.ici_bandwidth}
     return {**t, "fast": max(t.values()), "slow": sum(t.values())}
-
 
 
 def estimate_build(cfg: ModelConfig, seq: int, layers: int, mtp: bool) -> ModelConfig:

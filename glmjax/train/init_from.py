@@ -1,0 +1,46 @@
+"""Initialising a model from another run's weights: a stage workdir (its orbax checkpoints), a directory written by
+`python -m glmjax.interop.hf import`, or a Hugging Face safetensors checkpoint; the parameter surgery between
+stages is `glmjax.train.stages.surgery`."""
+from __future__ import annotations
+
+import os
+
+from flax import nnx
+
+from glmjax.config import ModelConfig
+from glmjax.model.transformer import GLM
+from glmjax.train.checkpoint import load_model_state
+from glmjax.train.stages import surgery
+
+INIT_MARKERS = ("checkpoints", "model_config.json", "config.json")  # what a directory `init_model` reads holds
+
+
+def init_model(model: GLM, path: str) -> list[str]:
+    """Initialise `model` in place from `path`: a stage workdir (orbax checkpoints/), a directory written by
+    `python -m glmjax.interop.hf import`, or a Hugging Face safetensors checkpoint. -> log lines."""
+    if os.path.isdir(os.path.join(path, "checkpoints")):
+        state, meta, step = load_model_state(path)
+        src_cfg = ModelConfig.from_dict(meta["model"])
+        where = f"stage {meta.get('stage')} step {step}"
+    elif os.path.exists(os.path.join(path, "model_config.json")) or os.path.exists(os.path.join(path, "config.json")):
+        from glmjax.interop.hf import load_checkpoint, load_hf
+
+        src = load_checkpoint(path)[0] if os.path.exists(os.path.join(path, "model_config.json")) else load_hf(path)[0]
+        state, src_cfg, where = nnx.state(src).to_pure_dict(), src.cfg, "imported weights"
+    else:
+        raise FileNotFoundError(f"init_from={path!r}: neither a stage workdir (checkpoints/), an imported "
+                                "checkpoint (model_config.json) nor a Hugging Face checkpoint (config.json)")
+    return [where] + surgery(model, state, src_cfg)
+
+
+def checkpoint_loader(cfg: ModelConfig):
+    """-> load(path, target_state) -> state: `target_state` (a GLM of `cfg`) overwritten from `path` (see
+    `init_model`: a stage workdir, an imported or a Hugging Face checkpoint), for the PPO stage's init_checkpoint."""
+    def load(path: str, target_state):
+        model = GLM(cfg, nnx.Rngs(0))
+        nnx.update(model, target_state)
+        for line in init_model(model, path):
+            print(f"init_checkpoint {path}: {line}")
+        return nnx.state(model)
+
+    return load
