@@ -409,3 +409,17 @@ def test_damaged_opt_state_recovers_with_one_warning_and_no_tracebacks(base, int
     assert out.count(f"checkpoints/{STEPS} is damaged: unreadable") == 1, out[-3000:]
     assert f"resumed from {os.path.join(interrupted, 'checkpoints', '2')}" in out
     assert losses(interrupted) == losses(base)
+
+
+def test_a_fingerprint_without_default_model_fields_still_matches():
+    """Workdirs written before configs carried every model field: an absent model field is its default, so they
+    resume; a field that really differs from the default is still a difference."""
+    from configs import tiny
+    from glmjax.train.resume import config_diff, fingerprint
+
+    now = fingerprint(tiny.get_config())
+    old = {k: v for k, v in now.items() if k not in ("model.routed_scaling_factor", "model.rope_scaling",
+                                                     "model.remat", "model.init_std")}
+    assert config_diff(old, now) == [] and config_diff(now, old) == []
+    changed = dict(now, **{"model.routed_scaling_factor": 1.0})
+    assert config_diff(old, changed) == ["model.routed_scaling_factor: 2.5 -> 1.0"]

@@ -6,7 +6,6 @@ import numpy as np
 from flax import nnx
 from helpers import tiny
 
-from glmjax.interop.keymap import model_config_json
 from glmjax.model import GLM
 from glmjax.tools import topk_overlap
 from glmjax.train.checkpoint import Checkpoints
@@ -17,7 +16,7 @@ def test_topk_overlap_tool_writes_the_heatmaps(tmp_path):
     model = GLM(cfg, nnx.Rngs(0))
     ck = Checkpoints(str(tmp_path / "run"))
     ck.save(1, nnx.state(model).to_pure_dict(), {"count": np.zeros(())}, {}, {"step": 1, "stage": "pretrain",
-                                                                           "model": model_config_json(cfg)})
+                                                                           "model": cfg.to_json_dict()})
     ck.close()
     out = tmp_path / "overlap.png"
     assert topk_overlap.main(["--checkpoint", str(tmp_path / "run"), "--out", str(out), "--seq_len", "48",

@@ -565,7 +565,7 @@ def main(argv: list[str] | None = None) -> int:
         overrides = _parse_overrides(args.set)
         if args.cmd == "inspect":
             cfg, notes = check_hf(args.hf_dir, latent_norm_eps=eps, overrides=overrides)
-            print(json.dumps(keymap.model_config_json(cfg), indent=1))
+            print(json.dumps(cfg.to_json_dict(), indent=1))
             for n in notes:
                 print("note:", n)
             return 0
@@ -575,7 +575,7 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(args.out_dir, exist_ok=True)
         with ocp.StandardCheckpointer() as ck:
             ck.save(os.path.abspath(os.path.join(args.out_dir, "state")), nnx.state(model))
-        _write_json(os.path.join(args.out_dir, "model_config.json"), keymap.model_config_json(model.cfg))
+        _write_json(os.path.join(args.out_dir, "model_config.json"), model.cfg.to_json_dict())
         with open(os.path.join(args.out_dir, "hf_layout.json"), "w") as f:
             f.write(layout.to_json())
         print(f"imported {args.hf_dir} -> {args.out_dir}")

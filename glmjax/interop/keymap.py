@@ -350,8 +350,3 @@ def detect_expert_layout(keys, i: int) -> str:
         return "fused.weight"
     return "per_expert"
 
-
-def model_config_json(cfg: ModelConfig) -> dict:
-    """Kept for its callers until they call cfg.to_json_dict() (glmjax/train/loop.py, glmjax/interop/hf.py,
-    tests/test_tools.py)."""
-    return cfg.to_json_dict()

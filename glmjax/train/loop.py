@@ -32,7 +32,6 @@ from glmjax.config import ConfigError, ModelConfig
 from glmjax.data import default_data_config, make_pipeline, validate_data_config
 from glmjax.flops import flops_per_token
 from glmjax.hardware import chip_of_device
-from glmjax.interop.keymap import model_config_json
 from glmjax.model.transformer import GLM, Batch
 from glmjax.optim import validate_optim_config
 from glmjax.parallel import (batch_sharding, create_sharded, global_batch, init_opt_state, make_mesh,
@@ -169,7 +168,7 @@ class StageRun:
         return evaluate(self.eval_step, self.params, self.rest, [self.global_rows(b) for b in self.eval_set])
 
     def save(self, step: int):
-        meta = {"step": step, "stage": self.config.stage, "model": model_config_json(self.cfg),
+        meta = {"step": step, "stage": self.config.stage, "model": self.cfg.to_json_dict(),
                 "fingerprint": self.run_fp}
         self.ckpt.save(step, nnx.merge_state(self.params, self.rest).to_pure_dict(), self.opt_state,
                        {"processes": all_processes(self.it.get_state())}, meta)

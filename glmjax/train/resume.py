@@ -18,7 +18,7 @@ import os
 import shutil
 import time
 
-from glmjax.config import ConfigError
+from glmjax.config import ConfigError, ModelConfig
 
 ON_CONFIG_CHANGE = ("error", "fresh", "weights")
 FREE_PREFIXES = ("parallel.", "stages.")
@@ -50,12 +50,15 @@ def fingerprint(config) -> dict:
 
 
 def config_diff(saved: dict, now: dict) -> list[str]:
-    """'field: saved -> now' for every field that must match on resume."""
+    """'field: saved -> now' for every field that must match on resume. A model field absent on one side counts as
+    its ModelConfig default (configs written before every model field was in the config left defaults out)."""
+    defaults = fingerprint({"model": ModelConfig().to_json_dict()})
     out = []
     for k in sorted(set(saved) | set(now)):
-        if k in FREE or k.startswith(FREE_PREFIXES) or saved.get(k, "<absent>") == now.get(k, "<absent>"):
+        old, new = saved.get(k, defaults.get(k, "<absent>")), now.get(k, defaults.get(k, "<absent>"))
+        if k in FREE or k.startswith(FREE_PREFIXES) or old == new:
             continue
-        out.append(f"{k}: {saved.get(k, '<absent>')!r} -> {now.get(k, '<absent>')!r}")
+        out.append(f"{k}: {old!r} -> {new!r}")
     return out
 
 

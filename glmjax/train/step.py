@@ -124,7 +124,7 @@ def topk_stats(model: GLM, batch: Batch) -> dict:
     head-mean probability), and "adjacent_overlap" = mean over neighbouring layers of the overlap of their attention
     top-k sets (how much IndexShare's reuse loses)."""
     _, aux = model(batch, "dense", topk_stats=True)
-    attn, index = aux["attn_topk"], aux["index_topk"]  # the only read of the model's top-k sets
+    attn, index = aux.attn_topk, aux.index_topk  # the only read of the model's top-k sets
     full = [i for i, t in enumerate(model.cfg.layer_indexer_types) if t == "full"]
     T = batch.tokens.shape[1]
     return {"topk_recall": jnp.mean(topk_overlap(index, attn[jnp.asarray(full)], T)),
