@@ -1,4 +1,4 @@
-"""DeepSeek-V3.2 (`deepseek_v32`): real shapes, SPEC.md A.3. ~685B parameters incl. MTP -- not for CPU.
+"""DeepSeek-V3.2 (`deepseek_v32`): real shapes, docs/model.md A.3. ~685B parameters incl. MTP -- not for CPU.
 
 Differences from GLM-5 that matter: YaRN RoPE (factor 40 from 4096), group-limited routing (8 groups, top-4),
 half-split indexer RoPE, 64 indexer heads, eps 1e-6.

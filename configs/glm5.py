@@ -1,4 +1,4 @@
-"""GLM-5 (zai-org/GLM-5, `glm_moe_dsa`): real shapes, SPEC.md A.1. ~754B parameters incl. MTP -- not for CPU.
+"""GLM-5 (zai-org/GLM-5, `glm_moe_dsa`): real shapes, docs/model.md A.1. ~754B parameters incl. MTP -- not for CPU.
 
 The `train` section is a placeholder shape for a sparse-stage run; stage recipes (dense warm-up, sparse
 adaptation, ...) are separate configs.
@@ -39,7 +39,7 @@ def get_config():
         max_position_embeddings=202752,
         dtype="bfloat16",
     )
-    # GLM-5 trains with Muon Split (SPEC E.6); the numbers are placeholders for a user's own run.
+    # GLM-5 trains with Muon Split (docs/model.md E.6); the numbers are placeholders for a user's own run.
     c.optim = default_optim_config(name="muon_split", lr=2e-4, warmup_steps=500)  # total_steps := train.steps
     c.train = default_train_config(seq_len=4096, batch_size=256, steps=10000,
                                    mode="sparse", log_every=10, eval_every=500, eval_batches=8)

@@ -1,14 +1,14 @@
-"""GLM-5's DSA adaptation recipe at full scale (SPEC E), starting from a dense-attention MLA base checkpoint
+"""GLM-5's DSA adaptation recipe at full scale (docs/model.md E), starting from a dense-attention MLA base checkpoint
 (`--config.init_from=<HF or imported checkpoint dir>`; indexers absent there are freshly initialised and logged).
 
-  dense_warmup  SPEC E.2 / GLM-5 report: 1000 steps x 14 sequences x 202,752 tokens, max lr 5e-3, base frozen
-  sparse_adapt  SPEC E.3: "the training data and hyperparameters of mid-training", 20B tokens
+  dense_warmup  docs/model.md E.2 / GLM-5 report: 1000 steps x 14 sequences x 202,752 tokens, max lr 5e-3, base frozen
+  sparse_adapt  docs/model.md E.3: "the training data and hyperparameters of mid-training", 20B tokens
                 -> 20e9 / (14 x 202,752) = 7,046 steps at the same batch; lr: not given in the sources, the
                 mid-training value is the user's (placeholder 2e-4, Muon Split)
-  indexshare    GLM-5.2's uniform pattern (every 4th layer from layer 3 keeps its indexer, SPEC B.8 / E.4); the
+  indexshare    GLM-5.2's uniform pattern (every 4th layer from layer 3 keeps its indexer, docs/model.md B.8 / E.4); the
                 length of this stage is not published: 1000 steps is a placeholder
 
-Needs a TPU pod; the numbers are SPEC E's, the placeholders are marked.
+Needs a TPU pod; the numbers are docs/model.md E's, the placeholders are marked.
 """
 from configs import glm5
 from glmjax.train.config import experiment_fields

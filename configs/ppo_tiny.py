@@ -1,4 +1,4 @@
-"""PPO on single-digit sums (a + b <= 9, 30% of the problems held out) with the SPEC A.5 tiny model: a brief
+"""PPO on single-digit sums (a + b <= 9, 30% of the problems held out) with the docs/model.md A.5 tiny model: a brief
 supervised warm-up on demonstrations, then critic PPO (token-level GAE, PPO-clip, 2 epochs x 2 mini-batches per
 rollout batch) with asynchronous rollouts. A few minutes on a CPU:
 

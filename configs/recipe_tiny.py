@@ -1,7 +1,7 @@
-"""The GLM-5 DSA recipe at CPU scale (SPEC E): pretrain (dense MLA) -> dense_warmup (indexers distil the dense
+"""The GLM-5 DSA recipe at CPU scale (docs/model.md E): pretrain (dense MLA) -> dense_warmup (indexers distil the dense
 attention, everything else frozen) -> sparse_adapt (top-k sparse attention, all weights; indexers distil over the
 selected keys) -> indexshare (every 2nd layer reuses the previous layer's top-k; the kept indexers distil toward the
-mean attention of the layers they serve). The tiny model (SPEC A.5 shapes), sequence 128 > index_topk 16 so the
+mean attention of the layers they serve). The tiny model (docs/model.md A.5 shapes), sequence 128 > index_topk 16 so the
 indexer really selects; about 10 minutes on a 2-core CPU for all four stages.
 
   python train.py --config=configs/recipe_tiny.py --workdir=runs/recipe_tiny

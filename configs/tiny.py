@@ -1,4 +1,4 @@
-"""The SPEC.md A.5 tiny model (~3M parameters), trained on the embedded stdlib corpus in a few minutes on CPU.
+"""The docs/model.md A.5 tiny model (~3M parameters), trained on the embedded stdlib corpus in a few minutes on CPU.
 
 seq_len 128 > index_topk 16, so sparse (DSA) attention really selects keys; layers 0-1 and 4 are "full"
 (own indexer), 2-3 and 5 "shared" (reuse the previous full layer's top-k); group-limited routing 4 groups / top-2.
@@ -14,7 +14,7 @@ from glmjax.train.config import default_train_config, experiment_fields
 
 def get_config():
     c = ml_collections.ConfigDict()
-    # ModelConfig's defaults are SPEC A.5's shapes (vocab 512 >= 259 for the byte tokenizer, 6 layers, hidden 128,
+    # ModelConfig's defaults are docs/model.md A.5's shapes (vocab 512 >= 259 for the byte tokenizer, 6 layers, hidden 128,
     # 16 experts, 4 per token, MTP depth 3); A.5's expert groups and IndexShare pattern are given here, and
     # index_topk 16 (A.5: 8) for seq_len 128
     c.model = model_config_dict(n_group=4, topk_group=2, index_topk=16,

@@ -1,8 +1,8 @@
 """Model configuration: one frozen dataclass, built from an ML-collections dict and validated up front.
 
-Field names follow the Hugging Face `glm_moe_dsa` / `deepseek_v32` configs (SPEC.md A) so that a
+Field names follow the Hugging Face `glm_moe_dsa` / `deepseek_v32` configs (docs/model.md A) so that a
 config.json maps onto them directly. Every validation error names the field, the value and the rule.
-The defaults are SPEC A.5's tiny shapes (without its expert groups and IndexShare pattern). A config file's `model`
+The defaults are docs/model.md A.5's tiny shapes (without its expert groups and IndexShare pattern). A config file's `model`
 section is `model_config_dict(**delta)`: every field (so that each can be overridden from the command line), the
 dataclass defaults replaced by the delta.
 """
@@ -44,7 +44,7 @@ class ModelConfig:
     index_n_heads: int = 4
     index_head_dim: int = 32
     index_topk: int = 8
-    # Per-layer "full"/"shared"; None -> derived from index_topk_freq / index_skip_topk_offset (SPEC B.8).
+    # Per-layer "full"/"shared"; None -> derived from index_topk_freq / index_skip_topk_offset (docs/model.md B.8).
     indexer_types: tuple[str, ...] | None = None
     index_topk_freq: int = 1
     index_skip_topk_offset: int = 2
@@ -52,14 +52,14 @@ class ModelConfig:
     indexer_rope_interleave: bool = True
     rope_theta: float = 10000.0
     # None, or {"rope_type": "yarn", "factor", "original_max_position_embeddings", "beta_fast",
-    # "beta_slow", "mscale", "mscale_all_dim"} (SPEC B.5).
+    # "beta_slow", "mscale", "mscale_all_dim"} (docs/model.md B.5).
     rope_scaling: Mapping[str, Any] | None = None
     max_position_embeddings: int = 256
     rms_norm_eps: float = 1e-5
-    latent_norm_eps: float = 1e-5  # q_a_layernorm / kv_a_layernorm (SPEC F-4: HF 1e-6, Megatron rms_norm_eps)
-    indexer_norm_eps: float = 1e-6  # indexer k_norm LayerNorm (SPEC F-5)
+    latent_norm_eps: float = 1e-5  # q_a_layernorm / kv_a_layernorm (docs/model.md F-4: HF 1e-6, Megatron rms_norm_eps)
+    indexer_norm_eps: float = 1e-6  # indexer k_norm LayerNorm (docs/model.md F-5)
     num_nextn_predict_layers: int = 1  # 0 or 1: the (parameter-shared) MTP layer
-    mtp_depth: int = 3  # D: depths the one MTP layer is applied for in training (SPEC E.5)
+    mtp_depth: int = 3  # D: depths the one MTP layer is applied for in training (docs/model.md E.5)
     mtp_loss_weight: float = 0.1  # lambda in L = L_main + lambda/D * sum_k CE_k
     init_std: float = 0.02
     dtype: str = "float32"  # compute dtype of matmuls; softmax/norm stats/router/indexer weights/losses are f32
@@ -263,7 +263,7 @@ REMAT_POLICIES = ("none", "full", "save_dots")
 
 
 def default_indexer_types(num_layers: int, freq: int, offset: int) -> tuple[str, ...]:
-    """HF's IndexShare rule (SPEC B.8): layer i is full iff max(i - offset + 1, 0) % freq == 0."""
+    """HF's IndexShare rule (docs/model.md B.8): layer i is full iff max(i - offset + 1, 0) % freq == 0."""
     return tuple("full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(num_layers))
 
 

@@ -11,11 +11,11 @@ Conventions (all explained in docs/flops.md):
     gathers, routing and the loss softmax are left out (they are O(activations), not O(parameters)).
   * phase "training": one optimizer step's work per trained token = forward + backward = 3 x forward for every
     product on the gradient path. The indexer's top-k scoring has no backward (top-k is not differentiable and the
-    indexer reads detached inputs), so it counts 1 x. The indexer's own KL loss (SPEC E.3/E.4) is the separate
+    indexer reads detached inputs), so it counts 1 x. The indexer's own KL loss (docs/model.md E.3/E.4) is the separate
     component "indexer_loss" (`indexer_loss=False` drops it). MTP runs `cfg.mtp_depth` depths.
     phase "prefill": forward of a whole sequence of length `context`, averaged per token; LM head on the last
     position only (what a prefill before decoding needs). phase "decode": one new token whose cache (itself
-    included) holds `context` tokens, absorbed-weight MLA (SPEC D.2).
+    included) holds `context` tokens, absorbed-weight MLA (docs/model.md D.2).
   * Keys per query in training/prefill: causal=True (default) counts only causally visible keys, i.e. the average
     over positions t = 1..T of t keys ((T+1)/2 for dense attention and the indexer) and of min(k, t) keys for
     sparse attention -- the work of a kernel that skips masked blocks. causal=False counts what a masked dense
@@ -47,7 +47,7 @@ FLOP_COMPONENTS = ("mla_proj", "attention", "indexer", "indexer_loss", "dense_ml
 
 
 def mla_params(cfg: ModelConfig) -> int:
-    """q_a_proj, q_a_layernorm, q_b_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj (SPEC C.2)."""
+    """q_a_proj, q_a_layernorm, q_b_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj (docs/model.md C.2)."""
     D, H, r_q, r_kv = cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank
     d_r, d_n, d_v = cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
     return (D * r_q + r_q + r_q * H * cfg.qk_head_dim + D * (r_kv + d_r) + r_kv
@@ -221,7 +221,7 @@ def layer_flops(cfg: ModelConfig, context: int, phase: str, *, moe: bool, sparse
         # top-k path: forward only in every phase (no gradient through top-k, inputs detached)
         out["indexer"] = indexer_proj_flops(cfg) + indexer_score_flops(cfg, n_index)
     if train and sparse and indexer_loss:
-        # SPEC E.3/E.4 sparse KL: every sparse layer recomputes its (detached) main-attention scores over its
+        # docs/model.md E.3/E.4 sparse KL: every sparse layer recomputes its (detached) main-attention scores over its
         # selected keys as the target; a layer with an indexer recomputes its index scores over the same keys with
         # forward + backward (3x) and needs weight gradients of its projections (inputs detached: dW only, 1x).
         n_sel = keys_per_query(T, k, causal)

@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 from pallas_kernels.indexer import index_topk  # noqa: E402
 from pallas_kernels.sparse_mla import sparse_mla  # noqa: E402
 
-# GLM-5 (SPEC A.1): 64 heads, latent 512 + rope 64, indexer 32 heads x 128, top-2048; an 8K training sequence.
+# GLM-5 (docs/model.md A.1): 64 heads, latent 512 + rope 64, indexer 32 heads x 128, top-2048; an 8K training sequence.
 GLM5 = dict(S=8192, H=64, R=512, d_r=64, H_I=32, d_I=128, k=2048)
 SCALE = 256 ** -0.5  # (qk_nope 192 + rope 64)^-0.5
 

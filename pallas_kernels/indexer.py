@@ -1,4 +1,4 @@
-"""Lightning-indexer top-k (SPEC B.6, F.9, F.10) as a Pallas TPU kernel with a streaming, exact top-k.
+"""Lightning-indexer top-k (docs/model.md B.6, F-9, F-10) as a Pallas TPU kernel with a streaming, exact top-k.
 
 Same contract as the XLA reference `index_topk_reference` below (and `glmjax.model.indexer.index_topk`, the
 model's XLA path): q [B,S,H_I,d_I], k [B,T,d_I],

@@ -1,4 +1,4 @@
-"""Sparse MLA attention in MQA form (SPEC B.7, D.2) as Pallas TPU kernels, forward and backward.
+"""Sparse MLA attention in MQA form (docs/model.md B.7, D.2) as Pallas TPU kernels, forward and backward.
 
 Same contract as the XLA reference `sparse_mla_reference` below (and `glmjax.model.sparse_attention.sparse_mla_xla`,
 the model's XLA path):

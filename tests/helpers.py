@@ -12,7 +12,7 @@ from glmjax.model import Batch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # `configs` from the repo root
 from configs import tiny as tiny_config_file  # noqa: E402
 
-# configs/tiny.py's model with the tests' delta: SPEC A.5's top-8 (the tests' sequences are short) and small
+# configs/tiny.py's model with the tests' delta: docs/model.md A.5's top-8 (the tests' sequences are short) and small
 # query / loss chunks, so that blocking and chunking run over several blocks.
 TINY = {**tiny_config_file.get_config().model.to_dict(), "index_topk": 8, "block_q": 16, "loss_chunk": 20}
 

@@ -109,7 +109,7 @@ def test_glm5_matches_spec():
     cfg = ModelConfig.from_dict(load("glm5").model)
     assert cfg.layer_indexer_types == ("full",) * 78
     assert cfg.qk_head_dim == 256 and cfg.softmax_scale == 0.0625
-    # SPEC A.1: 753,864,139,008 parameters including the MTP layer (e_score_correction_bias included)
+    # docs/model.md A.1: 753,864,139,008 parameters including the MTP layer (e_score_correction_bias included)
     assert param_count(cfg) == 753_864_139_008
 
 
@@ -119,15 +119,15 @@ def test_glm52_index_share():
     assert full == [0, 1, 2] + list(range(6, 78, 4))
     assert len(full) == 21 and full[-1] == 74
     assert (cfg.rope_theta, cfg.max_position_embeddings) == (8e6, 1048576)
-    # SPEC A.2: the 57 shared layers carry no indexer weights: 5.1 total - 57 * 9,371,904
+    # docs/model.md A.2: the 57 shared layers carry no indexer weights: 5.1 total - 57 * 9,371,904
     assert param_count(cfg) == 753_864_139_008 - 57 * 9_371_904
 
 
 def test_deepseek_v32_matches_spec():
     cfg = ModelConfig.from_dict(load("deepseek_v32").model)
     assert cfg.yarn and cfg.n_group == 8 and cfg.topk_group == 4 and not cfg.indexer_rope_interleave
-    assert cfg.softmax_scale == pytest.approx(0.135234, abs=1e-6)  # SPEC A.4
-    # SPEC A.3: 685.4B including an MTP layer with its own embedding/head copies (ours shares them)
+    assert cfg.softmax_scale == pytest.approx(0.135234, abs=1e-6)  # docs/model.md A.4
+    # docs/model.md A.3: 685.4B including an MTP layer with its own embedding/head copies (ours shares them)
     total = param_count(cfg) + 2 * cfg.vocab_size * cfg.hidden_size
     assert total == pytest.approx(685.4e9, rel=1e-3)
 

@@ -23,8 +23,8 @@ from glmjax.model import Batch  # noqa: E402
 from glmjax.model.backends import XLA  # noqa: E402
 from glmjax.model.indexer import index_logits  # noqa: E402
 
-S = 48  # > index_topk: the indexer really selects (SPEC A.5 rule 1)
-# SPEC A.5 tiny config, except index_n_heads=32 (GLM-5's value): with 4 indexer heads a key scores exactly 0.0
+S = 48  # > index_topk: the indexer really selects (docs/model.md A.5 rule 1)
+# docs/model.md A.5 tiny config, except index_n_heads=32 (GLM-5's value): with 4 indexer heads a key scores exactly 0.0
 # whenever all 4 ReLUs clip (p = 1/16), and those exact ties are broken differently by torch.topk and lax.top_k.
 GLM_TINY = dict(
     vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=6,
@@ -100,7 +100,7 @@ def file_layout(state: dict, prefix: str) -> dict:
 
 
 class MTPRef(torch.nn.Module):
-    """The MTP block of SPEC B.11 from transformers pieces: enorm, hnorm, eh_proj, decoder layer N, shared_head."""
+    """The MTP block of docs/model.md B.11 from transformers pieces: enorm, hnorm, eh_proj, decoder layer N, shared_head."""
 
     def __init__(self, kind, seed):
         super().__init__()
@@ -261,7 +261,7 @@ def test_glm_parity_full_and_shared_layers(ckpts, tokens):
     hf_model, _, _, path = ckpts["glm"]
     model, layout = load_hf(path, overrides={"scan_layers": False})
     assert model.cfg.layer_indexer_types == ("full", "full", "shared", "shared", "full", "shared")
-    assert model.cfg.latent_norm_eps == 1e-6 and model.cfg.rms_norm_eps == 1e-5  # HF's q_a/kv_a eps (SPEC F-4)
+    assert model.cfg.latent_norm_eps == 1e-6 and model.cfg.rms_norm_eps == 1e-5  # HF's q_a/kv_a eps (docs/model.md F-4)
     assert model.stacks[1].units.layers[1].self_attn.indexer is None
     err = assert_parity(model, hf_model, tokens)
     print(f"glm_moe_dsa max |logit diff| = {err:.2e}")
@@ -295,7 +295,7 @@ def test_mtp_layer_matches_transformers_pieces(ckpts, tokens):
     assert model.mtp is not None and not layout.copies
     nxt = np.roll(tokens, -1, axis=1)
     with torch.no_grad():
-        h_hf = hf_model.model(torch.tensor(tokens, dtype=torch.long)).last_hidden_state  # post-norm (SPEC B.11)
+        h_hf = hf_model.model(torch.tensor(tokens, dtype=torch.long)).last_hidden_state  # post-norm (docs/model.md B.11)
         emb = hf_model.model.embed_tokens(torch.tensor(nxt, dtype=torch.long))
         ref = hf_model.lm_head(mtp_ref(emb, h_hf, hf_model.model.rotary_emb)).numpy()
 
@@ -477,7 +477,7 @@ FP8_SKIP = ("norm", "mlp.gate.weight", "weights_proj", "lm_head", "embed_tokens"
 
 
 def test_fp8_block_scaled_checkpoint(ckpts, tmp_path):
-    """Every linear weight except the SPEC C.4 exceptions as float8 e4m3 + [128,128] block weight_scale_inv."""
+    """Every linear weight except the docs/model.md C.4 exceptions as float8 e4m3 + [128,128] block weight_scale_inv."""
     import ml_dtypes
     src = ckpts["glm"][3]
     t = load_file(os.path.join(src, "model.safetensors"))
@@ -552,9 +552,9 @@ def test_mtp_copy_that_differs_is_reported(ckpts, tmp_path):
 
 
 @pytest.mark.parametrize("name, tensors, params", [
-    ("glm5", 59870, 753_864_139_008),  # GLM-5.1 BF16 checkpoint listing, SPEC A.1 / S9
-    ("glm52", 59870 - 57 * 5, 753_864_139_008 - 57 * 9_371_904),  # shared layers carry no indexer (SPEC A.2)
-    ("deepseek_v32", 46491 + 2, 685_355_329_792),  # + layer-61 embed/head copies: 685.4B (SPEC A.3)
+    ("glm5", 59870, 753_864_139_008),  # GLM-5.1 BF16 checkpoint listing, docs/model.md A.1 / S9
+    ("glm52", 59870 - 57 * 5, 753_864_139_008 - 57 * 9_371_904),  # shared layers carry no indexer (docs/model.md A.2)
+    ("deepseek_v32", 46491 + 2, 685_355_329_792),  # + layer-61 embed/head copies: 685.4B (docs/model.md A.3)
 ])
 def test_key_map_of_the_real_configs(name, tensors, params):
     import importlib
@@ -587,7 +587,7 @@ def test_config_mapping():
     base.pop("indexer_types")
     cfg, _ = config_from_hf({**base, "num_hidden_layers": 78, "index_topk_freq": 4, "index_skip_topk_offset": 3})
     t = cfg.layer_indexer_types
-    assert "".join(x[0].upper() for x in t[:10]) == "FFFSSSFSSS" and t.count("full") == 21  # GLM-5.2 (SPEC B.8)
+    assert "".join(x[0].upper() for x in t[:10]) == "FFFSSSFSSS" and t.count("full") == 21  # GLM-5.2 (docs/model.md B.8)
     cfg, _ = config_from_hf(base)
     assert set(cfg.layer_indexer_types) == {"full"}  # GLM-5 / 5.1: no schedule fields -> every layer full
     legacy = {**DS_TINY, "model_type": "deepseek_v32", "rope_theta": 1e4,

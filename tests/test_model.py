@@ -184,7 +184,7 @@ def test_glm5_and_glm52_shapes_plan_into_few_stacks_and_count_exactly():
         abstract = nnx.eval_shape(lambda: GLM(cfg, nnx.Rngs(0)))
         return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(abstract)))
 
-    # SPEC A.1: exact totals from the GLM-5.1 checkpoint shapes (without / with the MTP layer)
+    # docs/model.md A.1: exact totals from the GLM-5.1 checkpoint shapes (without / with the MTP layer)
     assert count(glm5.replace(num_nextn_predict_layers=0)) == 743_911_218_432
     assert count(glm5) == 753_864_139_008
     # A.2: shared layers carry no indexer: 57 x 9,371,904 fewer parameters

@@ -10,7 +10,7 @@ from helpers import tiny
 
 
 def naive_route(cfg, logits, bias):
-    """One token at a time, straight from SPEC B.9."""
+    """One token at a time, straight from docs/model.md B.9."""
     s = 1 / (1 + np.exp(-logits.astype(np.float64)))
     E, G = cfg.n_routed_experts, cfg.n_group
     per = E // G

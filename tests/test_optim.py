@@ -289,7 +289,7 @@ def test_glm5_grouping_abstract():
     infos = {i.path: i for i in table.infos}
     n_params = sum(x.size for x in jax.tree.leaves(params))
     assert len(infos) == len(jax.tree.leaves(params)) and sum(i.size for i in infos.values()) == n_params
-    assert 7.4e11 < n_params < 7.7e11  # ~754B incl. MTP (SPEC A.4)
+    assert 7.4e11 < n_params < 7.7e11  # ~754B incl. MTP (docs/model.md A.4)
     for path, group, decay, segs in GLM5_EXPECT:
         i = infos[path]
         assert (i.group, i.decay) == (group, decay), (path, i.group, i.decay)

@@ -1,5 +1,5 @@
 """End to end: the tiny GLM-5 DSA recipe, pretrain -> dense_warmup -> sparse_adapt -> indexshare, chained through
-checkpoints by train.py's `run` (SPEC E.2-E.4)."""
+checkpoints by train.py's `run` (docs/model.md E.2-E.4)."""
 import json
 import os
 import sys

@@ -28,7 +28,7 @@ def test_interleaved_rope_is_a_complex_rotation_of_pairs():
 
 
 def test_half_split_equals_interleaved_after_permuting_dims():
-    """SPEC B.5: permuting [0,2,..,1,3,..] turns interleaved RoPE into half-split RoPE, so q.k agree."""
+    """docs/model.md B.5: permuting [0,2,..,1,3,..] turns interleaved RoPE into half-split RoPE, so q.k agree."""
     cfg = tiny()
     q = jax.random.normal(jax.random.key(1), (2, 7, 3, 16))
     k = jax.random.normal(jax.random.key(2), (2, 7, 16))
@@ -60,12 +60,12 @@ def test_yarn_frequencies_and_softmax_scale_match_deepseek_v32():
     cfg = ModelConfig(qk_rope_head_dim=64, qk_nope_head_dim=128, index_head_dim=128, rope_scaling=YARN)
     inv = rope_inv_freq(cfg).astype(np.float64)
     base = 10000.0 ** (-np.arange(0, 64, 2) / 64)
-    # SPEC B.5: low=10, high=23 for dim 64, theta 1e4, L0 4096, beta (32, 1)
+    # docs/model.md B.5: low=10, high=23 for dim 64, theta 1e4, L0 4096, beta (32, 1)
     np.testing.assert_allclose(inv[:10], base[:10], rtol=1e-6)  # extrapolated (unchanged)
     np.testing.assert_allclose(inv[23:], base[23:] / 40, rtol=1e-6)  # interpolated
     ramp = (np.arange(10, 23) - 10) / 13
     np.testing.assert_allclose(inv[10:23], base[10:23] / 40 * ramp + base[10:23] * (1 - ramp), rtol=1e-6)
-    # SPEC A.4: 192^-0.5 * mscale^2 = 0.135234
+    # docs/model.md A.4: 192^-0.5 * mscale^2 = 0.135234
     np.testing.assert_allclose(cfg.softmax_scale, 192 ** -0.5 * (0.1 * math.log(40) + 1) ** 2, rtol=1e-9)
     assert abs(cfg.softmax_scale - 0.135234) < 1e-6
     assert tiny().softmax_scale == 48 ** -0.5

@@ -1,4 +1,4 @@
-"""Stage losses and plumbing against independent references: the indexer KL (SPEC E.2 / E.3 / E.4) computed
+"""Stage losses and plumbing against independent references: the indexer KL (docs/model.md E.2 / E.3 / E.4) computed
 naively, the sparse-stage attention target, gradient routing (the KL reaches only indexers, the LM loss never does),
 parameter surgery across IndexShare patterns, the top-k overlap metric, and the train step's NaN guard."""
 import jax
@@ -53,7 +53,7 @@ def test_index_kl_matches_a_naive_loop():
 
 
 def test_multi_layer_target_gives_the_mean_kl_gradient():
-    """SPEC E.4 Prop. 1: d/dI KL(mean_j p_j || softmax I) = d/dI mean_j KL(p_j || softmax I)."""
+    """docs/model.md E.4 Prop. 1: d/dI KL(mean_j p_j || softmax I) = d/dI mean_j KL(p_j || softmax I)."""
     ps = jax.nn.softmax(rand(2, (3, 1, 4, 9), 2.0), axis=-1)
     logits = rand(3, (1, 4, 9))
     ok = jnp.ones((1, 4), bool)
@@ -106,7 +106,7 @@ def test_sparse_attention_target_is_the_head_mean_softmax_over_the_selected_keys
 
 @pytest.mark.parametrize("mode", ["dense", "sparse"])
 def test_gradient_routing(mode):
-    """SPEC E.2/E.3: the indexer KL reaches only indexer weights; the LM (+MTP) loss never reaches them."""
+    """docs/model.md E.2/E.3: the indexer KL reaches only indexer weights; the LM (+MTP) loss never reaches them."""
     cfg = tiny(num_hidden_layers=3, indexer_types=("full", "shared", "full"), mtp_depth=1)
     graphdef, params, rest = split_model(GLM(cfg, nnx.Rngs(0)), "all")
     batch = random_batch(cfg, 2, 24)  # S = 24 > index_topk = 8
@@ -133,7 +133,7 @@ def test_gradient_routing(mode):
 
 @pytest.mark.parametrize("mode", ["dense", "sparse"])
 def test_full_layer_distils_toward_the_mean_attention_of_the_layers_it_serves(mode, monkeypatch):
-    """SPEC E.4 with IndexShare F S F S F S: each unit's KL is taken against the mean of both layers' attention
+    """docs/model.md E.4 with IndexShare F S F S F S: each unit's KL is taken against the mean of both layers' attention
     distributions (captured from an unjitted, unscanned forward and recomputed naively), and those distributions
     are proper (rows sum to 1, zero outside the causal / selected keys)."""
     import glmjax.model.transformer as tr

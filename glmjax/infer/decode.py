@@ -1,8 +1,8 @@
-"""Prefill and token-by-token decode against the MLA compressed cache (SPEC D).
+"""Prefill and token-by-token decode against the MLA compressed cache (docs/model.md D).
 
 Per layer and token the cache holds the 576-d latent row [c_kv (normed, 512) | k_pe (roped, 64)]; full layers
 also hold the indexer key (d_I). IndexShare "shared" layers keep no indexer cache. Attention against the cache
-uses absorbed weights (SPEC D.2); sparse mode gathers only the top-k latent rows, chosen by the same exact,
+uses absorbed weights (docs/model.md D.2); sparse mode gathers only the top-k latent rows, chosen by the same exact,
 lowest-index-tie-breaking top-k as training.
 
 Rows of a batch may have different lengths: sequence b occupies cache slots [0, length[b]); a step writes its S new

@@ -276,7 +276,7 @@ def load_hf(path: str, *, sharding: ShardingSpec = None, latent_norm_eps: float 
     sharding: None (first device), one Sharding for every leaf, or `fn(path, logical_axes, shape) -> Sharding`
       (e.g. `logical_sharding(mesh, rules)`); each leaf is allocated once in it and filled slice by slice.
     latent_norm_eps: eps of q_a_layernorm / kv_a_layernorm. Default 1e-6 = HF transformers' value (it builds these
-      norms with the RMSNorm default, SPEC F-4), so imported models reproduce `from_pretrained`; pass None for
+      norms with the RMSNorm default, docs/model.md F-4), so imported models reproduce `from_pretrained`; pass None for
       rms_norm_eps (Megatron / vLLM / SGLang; 1e-5 for GLM-5).
     overrides: ModelConfig fields set after mapping config.json (dtype, param_dtype, mtp_depth, block_q, ...).
     """

@@ -1,4 +1,4 @@
-"""Hugging Face <-> glmjax: config.json fields and the tensor-name / layout map (SPEC.md A, C).
+"""Hugging Face <-> glmjax: config.json fields and the tensor-name / layout map (docs/model.md A, C).
 
 HF stores `nn.Linear` weights as [out, in]; our kernels are [in, out] with the head axes split out
 (e.g. q_b_proj [H*d_qk, r_q] -> [r_q, H, d_qk], o_proj [D, H*d_v] -> [H, d_v, D]). Decoder layer i lives at
@@ -17,7 +17,7 @@ from glmjax.config import ConfigError, ModelConfig
 
 MODEL_TYPES = ("glm_moe_dsa", "deepseek_v32")
 ARCHITECTURES = {"glm_moe_dsa": "GlmMoeDsaForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM"}
-HF_LATENT_NORM_EPS = 1e-6  # HF builds q_a_layernorm / kv_a_layernorm with the RMSNorm default eps (SPEC F-4)
+HF_LATENT_NORM_EPS = 1e-6  # HF builds q_a_layernorm / kv_a_layernorm with the RMSNorm default eps (docs/model.md F-4)
 
 # HF defaults where they differ by model type (configuration_{glm_moe_dsa,deepseek_v32}.py).
 _DEFAULTS = {
@@ -41,7 +41,7 @@ def config_from_hf(hf: Mapping[str, Any], *, latent_norm_eps: float | None = HF_
     """config.json (glm_moe_dsa / deepseek_v32) -> (ModelConfig, notes). Every unsupported or missing field is
     reported at once in one ConfigError.
 
-    latent_norm_eps: eps of q_a_layernorm / kv_a_layernorm. Default 1e-6 = what HF transformers builds (SPEC F-4),
+    latent_norm_eps: eps of q_a_layernorm / kv_a_layernorm. Default 1e-6 = what HF transformers builds (docs/model.md F-4),
     which is what `from_pretrained` models compute; None -> rms_norm_eps (what Megatron/vLLM/SGLang use).
     overrides: ModelConfig fields applied last (e.g. dtype, param_dtype, mtp_depth).
     """
@@ -97,7 +97,7 @@ def config_from_hf(hf: Mapping[str, Any], *, latent_norm_eps: float | None = HF_
                          f"({k} dense); using mlp_layer_types as HF does")
     d["first_k_dense_replace"] = min(k, L) if L else k
 
-    # IndexShare schedule (SPEC B.8): explicit list > pattern string > freq/offset rule
+    # IndexShare schedule (docs/model.md B.8): explicit list > pattern string > freq/offset rule
     freq = max(int(hf.get("index_topk_freq", 1) or 1), 1)
     offset = int(hf.get("index_skip_topk_offset", 2))
     d["index_topk_freq"], d["index_skip_topk_offset"] = freq, offset

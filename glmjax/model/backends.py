@@ -1,5 +1,5 @@
 """The attention backends `ModelConfig.attention_impl` selects (`BACKENDS`): the functions that compute the
-lightning indexer's top-k, the sparse MLA attention and the sparse-stage index scores (SPEC B.6, B.7, E.3).
+lightning indexer's top-k, the sparse MLA attention and the sparse-stage index scores (docs/model.md B.6, B.7, E.3).
 
     "xla":    indexer.index_topk,        sparse_attention.sparse_mla_xla, indexer.gathered_index_logits
     "pallas": pallas_kernels.index_topk, pallas_kernels.sparse_mla,       indexer.gathered_index_logits

@@ -1,4 +1,4 @@
-"""The DSA lightning indexer (SPEC B.6): index scores I[t,s] = sum_h w[t,h] * ReLU(q_I[t,h] . k_I[s]) * d_I^-0.5,
+"""The DSA lightning indexer (docs/model.md B.6): index scores I[t,s] = sum_h w[t,h] * ReLU(q_I[t,h] . k_I[s]) * d_I^-0.5,
 and the exact, deterministic top-k over them computed in query blocks so [B, S, T] never exists at once.
 
 Top-k contract (shared by training, decoding and the Pallas kernel): indices [B, S, min(k, T)] int32, the highest
@@ -32,12 +32,12 @@ class Indexer(nnx.Module):
     def __call__(self, x, q_resid, cos, sin):
         """x [B,S,D] (normed hidden), q_resid [B,S,r_q] -> q [B,S,H_I,d_I], k [B,S,d_I], w [B,S,H_I] (f32).
 
-        Inputs are detached: the indexer learns only from its own KL loss (SPEC E.2/E.3).
+        Inputs are detached: the indexer learns only from its own KL loss (docs/model.md E.2/E.3).
         """
         cfg, dt = self.cfg, dtype_of(self.cfg.dtype)
         x, q_resid = jax.lax.stop_gradient(x), jax.lax.stop_gradient(q_resid)
         dr, inter = cfg.qk_rope_head_dim, cfg.indexer_rope_interleave
-        q = dense(q_resid, self.wq_b[...], "bsr,rhd->bshd", dt)  # rope first, nope after (SPEC F-3)
+        q = dense(q_resid, self.wq_b[...], "bsr,rhd->bshd", dt)  # rope first, nope after (docs/model.md F-3)
         q = jnp.concatenate([apply_rope(q[..., :dr], cos, sin, inter), q[..., dr:]], axis=-1)
         k = self.k_norm(dense(x, self.wk[...], "bsd,dk->bsk", dt))
         k = jnp.concatenate([apply_rope(k[..., :dr], cos, sin, inter), k[..., dr:]], axis=-1).astype(dt)
@@ -89,7 +89,7 @@ def index_topk(q, k, w, q_seg, k_seg, topk: int, block_q: int, q_idx=None):
 
 
 def gathered_index_logits(q, k, w, indices, block_q: int = 256):
-    """Index scores at the selected keys only (the sparse-stage indexer loss, SPEC E.3), differentiable.
+    """Index scores at the selected keys only (the sparse-stage indexer loss, docs/model.md E.3), differentiable.
     q [B,S,H_I,d_I], k [B,T,d_I], w [B,S,H_I], indices [B,S,k'] (-1 = none) -> [B,S,k'] f32, -inf at -1.
     O(S·k'·H_I·d_I): query blocks gather their k' key rows, rematerialised in the backward pass."""
     bq = min(block_q, q.shape[1])
@@ -107,7 +107,7 @@ def gathered_index_logits(q, k, w, indices, block_q: int = 256):
 
 
 def index_kl(p, logits, query_ok):
-    """Indexer distillation loss (SPEC E.2 / E.3): sum over valid queries of KL(p_t || softmax(logits_t)).
+    """Indexer distillation loss (docs/model.md E.2 / E.3): sum over valid queries of KL(p_t || softmax(logits_t)).
     p [B,S,K] target (rows sum to 1, 0 where masked; no gradient), logits [B,S,K] (-inf where masked),
     query_ok [B,S] bool -> (sum of KL, number of queries counted) f32."""
     logq = jax.nn.log_softmax(jnp.where(logits == NEG_INF, -1e30, logits), axis=-1)

@@ -35,7 +35,7 @@ def dense(x: jax.Array, kernel: jax.Array, spec: str, dtype) -> jax.Array:
 
 
 class RMSNorm(nnx.Module):
-    """w * x / sqrt(mean(x^2) + eps); statistics and the scale multiply in f32 (DeepSeek reference, SPEC B.3)."""
+    """w * x / sqrt(mean(x^2) + eps); statistics and the scale multiply in f32 (DeepSeek reference, docs/model.md B.3)."""
 
     def __init__(self, dim: int, eps: float, cfg: ModelConfig, axes=("norm",)):
         self.eps = eps
@@ -48,7 +48,7 @@ class RMSNorm(nnx.Module):
 
 
 class LayerNorm(nnx.Module):
-    """LayerNorm with weight and bias, computed in f32 (the indexer's k_norm, SPEC F-5)."""
+    """LayerNorm with weight and bias, computed in f32 (the indexer's k_norm, docs/model.md F-5)."""
 
     def __init__(self, dim: int, eps: float, cfg: ModelConfig):
         self.eps = eps
@@ -66,7 +66,7 @@ class LayerNorm(nnx.Module):
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """inv_freq_j = theta^(-2j/d), j < d/2; with YaRN the low frequencies are interpolated (SPEC B.5)."""
+    """inv_freq_j = theta^(-2j/d), j < d/2; with YaRN the low frequencies are interpolated (docs/model.md B.5)."""
     d = cfg.qk_rope_head_dim
     base = cfg.rope_theta
     inv = 1.0 / base ** (np.arange(0, d, 2, dtype=np.float64) / d)

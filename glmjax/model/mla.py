@@ -1,4 +1,4 @@
-"""Multi-head latent attention (SPEC B.4) with DeepSeek Sparse Attention (B.6-B.8).
+"""Multi-head latent attention (docs/model.md B.4) with DeepSeek Sparse Attention (B.6-B.8).
 
 mode "dense":  plain causal MLA with per-head keys/values expanded from the latent (training, dense warm-up);
                against a cache (prefill / decode), absorbed attention over every visible cache row.
@@ -77,7 +77,7 @@ class MLA(nnx.Module):
         if ctx.mode not in ("dense", "sparse"):
             raise ValueError(f"attention mode {ctx.mode!r}: must be 'dense' or 'sparse'")
         p = self.project(x, ctx)
-        latent = jnp.concatenate([p.c_kv, p.k_pe], axis=-1)  # [B,S,576]: the MLA cache row of each token (SPEC D.1)
+        latent = jnp.concatenate([p.c_kv, p.k_pe], axis=-1)  # [B,S,576]: the MLA cache row of each token (docs/model.md D.1)
         if cache is not None:
             cache = dict(cache, latent=write_rows(cache["latent"], latent, ctx.q_idx[:, 0]))
             latent = cache["latent"]
@@ -120,7 +120,7 @@ class MLA(nnx.Module):
         return o, stats
 
     def absorbed_queries(self, p: Projected):
-        """[q_nope . W_UK | q_pe] [B,S,H,r_kv+d_r]: queries against the latent rows in MQA form (SPEC D.2)."""
+        """[q_nope . W_UK | q_pe] [B,S,H,r_kv+d_r]: queries against the latent rows in MQA form (docs/model.md D.2)."""
         return jnp.concatenate([jnp.einsum("bshd,chd->bshc", p.q_nope, p.w_uk), p.q_pe], axis=-1)
 
     def dense_cached(self, p: Projected, ctx: Ctx, latent):

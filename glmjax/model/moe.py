@@ -1,4 +1,4 @@
-"""Feed-forward blocks (SPEC B.9): SwiGLU MLP, and the sigmoid-routed MoE with aux-loss-free correction bias,
+"""Feed-forward blocks (docs/model.md B.9): SwiGLU MLP, and the sigmoid-routed MoE with aux-loss-free correction bias,
 group-limited top-k, normalisation, routed scaling and a shared expert.
 
 Experts run with a sort-based dispatch: (token, slot) pairs are sorted by expert and multiplied group by group --

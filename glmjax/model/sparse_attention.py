@@ -1,4 +1,4 @@
-"""Sparse MLA attention in MQA form, XLA reference (SPEC B.7, D.2).
+"""Sparse MLA attention in MQA form, XLA reference (docs/model.md B.7, D.2).
 
 DSA runs MLA "in MQA mode": every head attends over the same k gathered rows of the latent cache
 kv = [c_kv | k_pe] (r_kv + d_r = 576 for GLM-5), with absorbed queries q = [q_nope . W_UK | q_pe].
@@ -58,7 +58,7 @@ def query_block(kv, indices, block_q: int) -> int:
 
 def sparse_attention_probs(q, kv, indices, lse, *, scale: float, block_q: int = 256):
     """Head-mean attention probabilities over the selected keys [B,S,k] f32 (0 at -1 slots), no gradient: the
-    main-attention target of the sparse-stage indexer loss (SPEC E.3). lse [B,S,H] from the attention forward."""
+    main-attention target of the sparse-stage indexer loss (docs/model.md E.3). lse [B,S,H] from the attention forward."""
     q, kv, lse = jax.lax.stop_gradient((q, kv, lse))
     bq = query_block(kv, indices, block_q)
 

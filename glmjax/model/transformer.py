@@ -54,7 +54,7 @@ def _join(fn, auxs: list[Aux]) -> Aux:
 
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm residual block: h += MLA_DSA(norm(h)); h += MLP/MoE(norm(h)) (SPEC B.2)."""
+    """Pre-norm residual block: h += MLA_DSA(norm(h)); h += MLP/MoE(norm(h)) (docs/model.md B.2)."""
 
     def __init__(self, cfg: ModelConfig, moe: bool, has_indexer: bool, rngs: nnx.Rngs):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg)
@@ -128,7 +128,7 @@ class Unit(nnx.Module):
 
 def unit_index_loss(stats: list[AttnStats], ctx: Ctx):
     """The unit's full layer (stats[0]) distils its indexer toward the mean attention distribution of every layer it
-    serves (itself and the shared layers after it: SPEC E.4; a lone full layer is E.2 / E.3) -> (sum of KL, queries
+    serves (itself and the shared layers after it: docs/model.md E.4; a lone full layer is E.2 / E.3) -> (sum of KL, queries
     counted)."""
     target = jnp.mean(jnp.stack([st.attn_p for st in stats]), axis=0)
     return index_kl(target, stats[0].index_logits, ctx.segment_ids > 0)
@@ -181,7 +181,7 @@ class Stack(nnx.Module):
 
 
 class MTP(nnx.Module):
-    """GLM-5's multi-token-prediction layer (SPEC B.11): one set of weights applied for `mtp_depth` depths."""
+    """GLM-5's multi-token-prediction layer (docs/model.md B.11): one set of weights applied for `mtp_depth` depths."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         D = cfg.hidden_size
@@ -249,7 +249,7 @@ class GLM(nnx.Module):
         return jnp.einsum("...d,dv->...v", h, self.lm_head[...].astype(h.dtype), preferred_element_type=f32)
 
     def loss(self, batch: Batch, mode: str = "dense", lm_weight: float = 1.0, index_loss_weight: float = 0.0):
-        """L = lm_weight * (CE_main + mtp_loss_weight / D * sum_k CE_k) (SPEC E.1, E.5)
+        """L = lm_weight * (CE_main + mtp_loss_weight / D * sum_k CE_k) (docs/model.md E.1, E.5)
              + index_loss_weight * sum over indexers of their token-mean KL (E.2 dense / E.3 sparse / E.4 shared).
         The KL reaches only indexer weights and the LM terms never do (detached indexer inputs, stop-gradient
         targets, non-differentiable top-k), so one sum serves every stage. -> (loss, metrics dict)."""

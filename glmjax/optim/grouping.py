@@ -16,14 +16,14 @@ axis is a batch axis -- each slice along it is orthogonalised on its own (optax'
 That is how the stacked-layer axis ("layers") and the expert axis ("experts") stay batch axes, and how split mode
 works: dropping "heads" from a rule's output axes turns heads into a batch axis.
 
-Split mode (SPEC E.6, "Muon Split"):
+Split mode (docs/model.md E.6, "Muon Split"):
   q_b_proj  [r_q, H, d_nope + d_rope]  per head. split_rope = "together" (default): each head's [r_q, d_nope+d_rope]
             block is one matrix; "separate": its nope and rope columns are two matrices.
   kv_b_proj [r_kv, H, d_nope + d_v]   per head, W_UK = [.., :d_nope] and W_UV = [.., d_nope:] orthogonalised apart.
   o_proj    [H, d_v, D]               per head when split_o_proj (a head's [d_v, D] block).
 Unsplit Muon ("muon") orthogonalises each of the three as one matrix over all heads (r_q x H*(d_nope+d_rope), ...).
 
-Why rope "together" is the default (SPEC leaves it open): the paper splits W^UQ "by head", and a head's query
+Why rope "together" is the default (the sources leave it open, docs/model.md E.6): the paper splits W^UQ "by head", and a head's query
 q_h = c_q W^UQ_h feeds one attention logit q_h . k_h = q_nope . k_nope + q_rope . k_rope. Orthogonalising the whole
 [r_q, d_nope + d_rope] block bounds the spectral norm of that head's query update, which is what bounds the change of
 the head's logits -- the quantity Muon-Split is reported to keep stable. Orthogonalising nope and rope apart gives

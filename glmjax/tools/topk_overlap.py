@@ -1,4 +1,4 @@
-"""Layer-by-layer top-k overlap of a trained model: the picture that motivates IndexShare (SPEC B.8, E.4).
+"""Layer-by-layer top-k overlap of a trained model: the picture that motivates IndexShare (docs/model.md B.8, E.4).
 
 For held-out batches, every layer's dense attention picks its own top-k keys per query (the k keys with the
 largest head-mean probability) and every layer with an indexer picks the indexer's top-k. The heatmaps show

@@ -1,4 +1,4 @@
-"""The GLM-5 training stages (SPEC E) and the parameter surgery between them.
+"""The GLM-5 training stages (docs/model.md E) and the parameter surgery between them.
 
 A stage is: which parameters train, the attention mode, the loss weights, and whether the MoE router bias moves.
 
