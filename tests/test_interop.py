@@ -1,6 +1,7 @@
 """HF interop against transformers (CPU torch, float32): logit and per-layer top-k parity for GlmMoeDsaForCausalLM
 (Full + Shared layers, MTP) and DeepseekV32ForCausalLM (half-split indexer RoPE, YaRN, n_group > 1), a wrong-RoPE
-negative control, bit-exact export(import(x)), named errors, FP8 dequantisation, sharded import and the CLI."""
+negative control, bit-exact export(import(x)), named errors, FP8 dequantisation, sharded import, the CLI and the RoPE flags
+transformers ignores (docs/model.md F-1)."""
 import json
 import math
 import os
@@ -603,3 +604,63 @@ def test_config_mapping():
     with pytest.raises(Exception, match=r"hidden_act='gelu'.*tie_word_embeddings=True"):
         config_from_hf({**base, "hidden_act": "gelu", "tie_word_embeddings": True})
     assert isinstance(g, ModelConfig)
+
+
+# ------------------------------------------------------------------------------------ RoPE flags (F-1)
+
+
+def with_config(src, dst, **fields):
+    """A copy of checkpoint dir src whose config.json has `fields` set."""
+    os.makedirs(dst)
+    os.symlink(os.path.join(src, "model.safetensors"), os.path.join(dst, "model.safetensors"))
+    with open(os.path.join(src, "config.json")) as f:
+        config = {**json.load(f), **fields}
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(config, f)
+    return dst
+
+
+@pytest.mark.parametrize("kind, flag", [("glm", "rope_interleave"), ("glm", "indexer_rope_interleave"),
+                                        ("ds", "rope_interleave"), ("ds", "indexer_rope_interleave")])
+def test_rope_flags_transformers_ignores_are_ignored_with_a_warning(ckpts, tokens, tmp_path, caplog, kind, flag):
+    plain = ckpts[kind][2]
+    mt = "glm_moe_dsa" if kind == "glm" else "deepseek_v32"
+    used = hf_mod.keymap.HF_ROPE_LAYOUT[mt][flag]
+    path = with_config(plain, str(tmp_path / "flipped"), **{flag: not used})
+    reloaded = hf_classes(kind)[1].from_pretrained(path, attn_implementation="eager").float().eval()
+    with torch.no_grad():
+        ref = reloaded(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+    with caplog.at_level("INFO", logger="glmjax.interop"):
+        model, layout = load_hf(path, overrides={"scan_layers": False})
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and f"{flag}={not used}" in warned[0] and f"using {used}" in warned[0], warned
+    assert "transformers 5.24 ignores it" in warned[0]
+    assert getattr(model.cfg, flag) == used
+    err = float(np.max(np.abs(ours_forward(model, tokens)[0] - ref)))
+    assert err < 1e-5, err
+    # export with the layout writes the source config.json back: transformers reads it to the same logits
+    out = str(tmp_path / "out")
+    save_hf(model, out, layout)
+    again = hf_classes(kind)[1].from_pretrained(out, attn_implementation="eager").float().eval()
+    with torch.no_grad():
+        assert np.array_equal(again(torch.tensor(tokens, dtype=torch.long)).logits.numpy(), ref)
+    # opting in honours the file's flag: no warning, a different model than transformers'
+    caplog.clear()
+    with caplog.at_level("INFO", logger="glmjax.interop"):
+        honoured, _ = load_hf(path, honour_rope_flags=True, overrides={"scan_layers": False})
+    assert getattr(honoured.cfg, flag) == (not used)
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    assert float(np.max(np.abs(ours_forward(honoured, tokens)[0] - ref))) > 1e-2
+
+
+@pytest.mark.parametrize("kind", ["glm", "ds"])
+def test_rope_flags_at_transformers_values_give_no_warning(ckpts, tmp_path, caplog, kind):
+    mt = "glm_moe_dsa" if kind == "glm" else "deepseek_v32"
+    path = with_config(ckpts[kind][2], str(tmp_path / "explicit"), **hf_mod.keymap.HF_ROPE_LAYOUT[mt])
+    with caplog.at_level("INFO", logger="glmjax.interop"):
+        cfg, _ = hf_mod.check_hf(path)
+        assert config_from_hf(config_to_hf(cfg, mt))[0] == cfg
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    with caplog.at_level("INFO", logger="glmjax.interop"):
+        config_to_hf(cfg.replace(rope_interleave=False), mt)  # a layout transformers cannot compute
+    assert any("rope_interleave=False" in r.getMessage() and r.levelname == "WARNING" for r in caplog.records)

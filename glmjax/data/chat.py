@@ -5,9 +5,10 @@ assistant tokens marked as targets -- the same ids and mask as transformers'
 Template. Rendered with jinja2's ImmutableSandboxedEnvironment (trim_blocks, lstrip_blocks, the loopcontrols
 extension, a `tojson` filter that keeps non-ASCII text and does not HTML-escape, a `raise_exception(msg)` global),
 with the variables messages, tools (the record's tools field, or None), documents=None, add_generation_prompt=False
-and the checkpoint's named special tokens (bos_token, eos_token, ...). `strftime_now` is deliberately not provided:
-a template that prints today's date would render differently on resume. A template that fails on a conversation
-(e.g. its raise_exception for roles that do not alternate) makes that record a counted, logged skip.
+(True in `ChatTemplate.prompt`, for generation) and the checkpoint's named special tokens (bos_token, eos_token,
+...). `strftime_now` is deliberately not provided: a template that prints today's date would render differently on
+resume. A template that fails on a conversation (e.g. its raise_exception for roles that do not alternate) makes
+that record a counted, logged skip.
 
 Mask rule. The template marks the assistant's text with `{% generation %} ... {% endgeneration %}`; the characters
 between the markers are assistant text, and a token is an assistant token iff its character span overlaps one of
@@ -92,9 +93,10 @@ def conversation(record, messages_field: str, tools_field: str | None) -> Chat |
 
 
 class ChatTemplate:
-    """A compiled chat template. `render(chat)` -> Rendered or Skip."""
+    """A compiled chat template. `render(chat)` -> Rendered or Skip (training); `prompt(messages)` -> the text a model
+    continues (generation). for_training=False accepts a template without generation markers (`prompt` needs none)."""
 
-    def __init__(self, source: str | None, origin: str, special_tokens: dict[str, str]):
+    def __init__(self, source: str | None, origin: str, special_tokens: dict[str, str], *, for_training: bool = True):
         import jinja2
         import jinja2.ext
         import jinja2.sandbox
@@ -102,7 +104,7 @@ class ChatTemplate:
         if source is None:
             raise DataError(f"{origin!r} has no chat template (chat_template in tokenizer_config.json or "
                             "chat_template.jinja); set data.chat_template to a template file")
-        if not GENERATION_TAG.search(source):
+        if for_training and not GENERATION_TAG.search(source):
             raise DataError(f"the chat template of {origin!r} has no {{% generation %}} ... {{% endgeneration %}} "
                             "block, so assistant tokens cannot be told from the rest; set data.chat_template to a "
                             "copy that wraps each assistant reply in one (see glmjax/data/chat.py)")
@@ -155,6 +157,17 @@ class ChatTemplate:
         if open_at:
             return Skip("malformed", f"chat template {self.origin!r} cut a generation block apart")
         return Rendered("".join(clean), np.array(spans, np.int64).reshape(-1, 2))
+
+    def prompt(self, messages: list) -> str:
+        """messages -> the template's text with add_generation_prompt=True (what the model continues); raises
+        DataError if the template fails on them."""
+        try:
+            text = self.template.render(messages=messages, tools=None, documents=None, add_generation_prompt=True,
+                                        **self.special_tokens)
+        except Exception as e:  # noqa: BLE001 -- as in render
+            raise DataError(f"chat template {self.origin!r} failed on the prompt ({type(e).__name__}: "
+                            f"{str(e)[:200]})") from e
+        return text.replace(START, "").replace(END, "")
 
 
 def _contains_marker(obj) -> bool:

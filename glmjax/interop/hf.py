@@ -16,7 +16,7 @@ Handled: per-expert (`mlp.experts.{e}.*_proj.weight`, the hub layout) and fused 
 shared schedule: ignored with a note); the MTP layer at index num_hidden_layers (embedding/head shared with the
 main model; DeepSeek's private `embed_tokens` / `shared_head.head` copies are verified against the shared weights).
 
-CLI: python -m glmjax.interop.hf {inspect,import,export} ... (see `main`).
+CLI: glmjax-hf (or python -m glmjax.interop.hf) {inspect,import,export} ... (see `main`).
 """
 from __future__ import annotations
 
@@ -76,6 +76,7 @@ class HFLayout:
     dequantized: list = dataclasses.field(default_factory=list)  # FP8 keys (exported dequantised)
     ignored: list = dataclasses.field(default_factory=list)  # present in the source, not loaded, not exported
     latent_norm_eps: float | None = keymap.HF_LATENT_NORM_EPS
+    honour_rope_flags: bool = False
     overrides: dict = dataclasses.field(default_factory=dict)
     notes: list = dataclasses.field(default_factory=list)
 
@@ -254,12 +255,13 @@ def _classify(cfg: ModelConfig, tensors: Mapping[str, TensorInfo], specs: Mappin
     return missing, unexpected, mismatched, ignored, scales, copies
 
 
-def _read_checkpoint(path, latent_norm_eps, overrides):
+def _read_checkpoint(path, latent_norm_eps, honour_rope_flags, overrides):
     """config.json + the tensor index of a checkpoint directory -> (raw config, ModelConfig, notes, tensors).
     A config with an MTP layer but no model.layers.{N}.* tensors (e.g. from save_pretrained) gives no MTP."""
     with open(os.path.join(path, "config.json")) as f:
         raw = json.load(f)
-    cfg, notes = config_from_hf(raw, latent_norm_eps=latent_norm_eps, overrides=overrides)
+    cfg, notes = config_from_hf(raw, latent_norm_eps=latent_norm_eps, honour_rope_flags=honour_rope_flags,
+                                overrides=overrides)
     tensors = scan_checkpoint(path)
     N = cfg.num_hidden_layers
     if cfg.has_mtp and not any(k.startswith(keymap.layer_prefix(N)) for k in tensors):
@@ -270,7 +272,7 @@ def _read_checkpoint(path, latent_norm_eps, overrides):
 
 
 def load_hf(path: str, *, sharding: ShardingSpec = None, latent_norm_eps: float | None = keymap.HF_LATENT_NORM_EPS,
-            overrides: Mapping[str, Any] | None = None) -> tuple[GLM, HFLayout]:
+            honour_rope_flags: bool = False, overrides: Mapping[str, Any] | None = None) -> tuple[GLM, HFLayout]:
     """Import an HF checkpoint directory into a GLM model -> (model, layout).
 
     sharding: None (first device), one Sharding for every leaf, or `fn(path, logical_axes, shape) -> Sharding`
@@ -278,9 +280,12 @@ def load_hf(path: str, *, sharding: ShardingSpec = None, latent_norm_eps: float 
     latent_norm_eps: eps of q_a_layernorm / kv_a_layernorm. Default 1e-6 = HF transformers' value (it builds these
       norms with the RMSNorm default, docs/model.md F-4), so imported models reproduce `from_pretrained`; pass None for
       rms_norm_eps (Megatron / vLLM / SGLang; 1e-5 for GLM-5).
+    honour_rope_flags: False (default) -> the RoPE layouts transformers computes, which ignores config.json's
+      `rope_interleave` / `indexer_rope_interleave` (a warning names each flag overruled); True -> the flags as
+      written, for checkpoints trained with them honoured (vLLM / SGLang read them; docs/model.md F-1).
     overrides: ModelConfig fields set after mapping config.json (dtype, param_dtype, mtp_depth, block_q, ...).
     """
-    raw, cfg, notes, tensors = _read_checkpoint(path, latent_norm_eps, overrides)
+    raw, cfg, notes, tensors = _read_checkpoint(path, latent_norm_eps, honour_rope_flags, overrides)
     N = cfg.num_hidden_layers
     graphdef, leaves = _abstract_model(cfg)
     leaf_shapes = {p: tuple(v.shape) for p, v in leaves.items()}
@@ -350,7 +355,8 @@ def load_hf(path: str, *, sharding: ShardingSpec = None, latent_norm_eps: float 
         model_type=raw["model_type"], config=raw,
         keys=[[k, fp8_out if k in scales else tensors[k].dtype] for k in tensors if k in specs or k in copies],
         expert_layouts={str(i): v for i, v in layouts.items()}, copies=copies, dequantized=sorted(scales),
-        ignored=[k for k, _ in ignored], latent_norm_eps=latent_norm_eps, overrides=dict(overrides or {}),
+        ignored=[k for k, _ in ignored], latent_norm_eps=latent_norm_eps, honour_rope_flags=honour_rope_flags,
+        overrides=dict(overrides or {}),
         notes=notes)
     return model, layout
 
@@ -379,11 +385,11 @@ def _compare_copy(copy: np.ndarray, spec: Spec, arrays, leaf_shapes, rows: int =
     return f"max abs diff {worst:g}" if worst else ""
 
 
-def check_hf(path: str, *, latent_norm_eps: float | None = keymap.HF_LATENT_NORM_EPS,
+def check_hf(path: str, *, latent_norm_eps: float | None = keymap.HF_LATENT_NORM_EPS, honour_rope_flags: bool = False,
              overrides: Mapping[str, Any] | None = None) -> tuple[ModelConfig, list[str]]:
     """Validate names, shapes and dtypes without loading anything -> (ModelConfig, notes); raises
-    HFCheckpointError listing every problem."""
-    raw, cfg, notes, tensors = _read_checkpoint(path, latent_norm_eps, overrides)
+    HFCheckpointError listing every problem. Arguments as in `load_hf`."""
+    raw, cfg, notes, tensors = _read_checkpoint(path, latent_norm_eps, honour_rope_flags, overrides)
     N = cfg.num_hidden_layers
     _, leaves = _abstract_model(cfg)
     n_layers = N + (1 if cfg.has_mtp else 0)
@@ -504,7 +510,8 @@ def _layout_config(layout: HFLayout, cfg: ModelConfig, notes: list) -> dict:
     if layout.dequantized:
         raw.pop("quantization_config", None)
         notes.append("FP8 source: weights exported dequantised (bf16); quantization_config removed")
-    src, _ = config_from_hf(layout.config, latent_norm_eps=layout.latent_norm_eps, overrides=layout.overrides)
+    src, _, _ = keymap.map_config(layout.config, latent_norm_eps=layout.latent_norm_eps,
+                                  honour_rope_flags=layout.honour_rope_flags, overrides=layout.overrides)
     ignore = {"num_nextn_predict_layers"}  # an absent MTP layer is recorded by the keys, not the config
     diff = [f.name for f in dataclasses.fields(ModelConfig)
             if f.name not in ignore and getattr(src, f.name) != getattr(cfg, f.name)]
@@ -537,13 +544,16 @@ def _parse_overrides(items: list[str]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m glmjax.interop.hf", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="glmjax-hf", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--latent-norm-eps", default=str(keymap.HF_LATENT_NORM_EPS),
                         help="eps of q_a/kv_a_layernorm: a number (default 1e-6 = HF) or 'rms_norm_eps'")
     common.add_argument("--set", action="append", metavar="FIELD=VALUE",
                         help="override a ModelConfig field (JSON value), e.g. --set param_dtype=bfloat16")
+    common.add_argument("--honour-rope-flags", action="store_true",
+                        help="use config.json's rope_interleave / indexer_rope_interleave (vLLM / SGLang) instead of "
+                             "the layouts transformers computes, which ignores them")
     p = sub.add_parser("inspect", parents=[common], help="validate names/shapes/dtypes, print the ModelConfig")
     p.add_argument("hf_dir")
     p = sub.add_parser("import", parents=[common], help="HF checkpoint -> glmjax checkpoint (orbax + json)")
@@ -564,14 +574,16 @@ def main(argv: list[str] | None = None) -> int:
         eps = None if args.latent_norm_eps == "rms_norm_eps" else float(args.latent_norm_eps)
         overrides = _parse_overrides(args.set)
         if args.cmd == "inspect":
-            cfg, notes = check_hf(args.hf_dir, latent_norm_eps=eps, overrides=overrides)
+            cfg, notes = check_hf(args.hf_dir, latent_norm_eps=eps, honour_rope_flags=args.honour_rope_flags,
+                                  overrides=overrides)
             print(json.dumps(cfg.to_json_dict(), indent=1))
             for n in notes:
                 print("note:", n)
             return 0
         import orbax.checkpoint as ocp
 
-        model, layout = load_hf(args.hf_dir, latent_norm_eps=eps, overrides=overrides)
+        model, layout = load_hf(args.hf_dir, latent_norm_eps=eps, honour_rope_flags=args.honour_rope_flags,
+                                overrides=overrides)
         os.makedirs(args.out_dir, exist_ok=True)
         with ocp.StandardCheckpointer() as ck:
             ck.save(os.path.abspath(os.path.join(args.out_dir, "state")), nnx.state(model))

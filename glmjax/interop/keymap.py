@@ -7,6 +7,7 @@ is the MTP layer (`mtp.*`).
 """
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -18,14 +19,19 @@ from glmjax.config import ConfigError, ModelConfig
 MODEL_TYPES = ("glm_moe_dsa", "deepseek_v32")
 ARCHITECTURES = {"glm_moe_dsa": "GlmMoeDsaForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM"}
 HF_LATENT_NORM_EPS = 1e-6  # HF builds q_a_layernorm / kv_a_layernorm with the RMSNorm default eps (docs/model.md F-4)
+# The RoPE layouts transformers 5.24 computes whatever config.json says: its modeling files hard-code them and never
+# read `rope_interleave` / `indexer_rope_interleave` (docs/model.md F-1). Also the defaults when a flag is absent.
+HF_ROPE_LAYOUT = {"glm_moe_dsa": dict(rope_interleave=True, indexer_rope_interleave=True),
+                  "deepseek_v32": dict(rope_interleave=True, indexer_rope_interleave=False)}
+log = logging.getLogger("glmjax.interop")
 
 # HF defaults where they differ by model type (configuration_{glm_moe_dsa,deepseek_v32}.py).
 _DEFAULTS = {
-    "glm_moe_dsa": dict(n_group=1, topk_group=1, rms_norm_eps=1e-5, index_n_heads=32, indexer_rope_interleave=True),
-    "deepseek_v32": dict(n_group=8, topk_group=4, rms_norm_eps=1e-6, index_n_heads=64, indexer_rope_interleave=False),
+    "glm_moe_dsa": dict(n_group=1, topk_group=1, rms_norm_eps=1e-5, index_n_heads=32),
+    "deepseek_v32": dict(n_group=8, topk_group=4, rms_norm_eps=1e-6, index_n_heads=64),
 }
 _COMMON_DEFAULTS = dict(n_shared_experts=1, norm_topk_prob=True, routed_scaling_factor=2.5, first_k_dense_replace=3,
-                        index_topk=2048, index_head_dim=128, rope_interleave=True)
+                        index_topk=2048, index_head_dim=128)
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
              "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
              "v_head_dim", "n_routed_experts", "num_experts_per_tok", "max_position_embeddings")
@@ -37,19 +43,33 @@ _YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_s
 
 
 def config_from_hf(hf: Mapping[str, Any], *, latent_norm_eps: float | None = HF_LATENT_NORM_EPS,
+                   honour_rope_flags: bool = False,
                    overrides: Mapping[str, Any] | None = None) -> tuple[ModelConfig, list[str]]:
     """config.json (glm_moe_dsa / deepseek_v32) -> (ModelConfig, notes). Every unsupported or missing field is
     reported at once in one ConfigError.
 
     latent_norm_eps: eps of q_a_layernorm / kv_a_layernorm. Default 1e-6 = what HF transformers builds (docs/model.md F-4),
     which is what `from_pretrained` models compute; None -> rms_norm_eps (what Megatron/vLLM/SGLang use).
+    honour_rope_flags: False (default) -> the RoPE layouts transformers computes (HF_ROPE_LAYOUT), logging one
+    warning per `rope_interleave` / `indexer_rope_interleave` in config.json that says otherwise; True -> the flags
+    as written (what vLLM / SGLang do, docs/model.md F-1).
     overrides: ModelConfig fields applied last (e.g. dtype, param_dtype, mtp_depth).
     """
-    errors, notes = [], []
+    cfg, notes, ignored = map_config(hf, latent_norm_eps=latent_norm_eps, honour_rope_flags=honour_rope_flags,
+                                     overrides=overrides)
+    for line in ignored:
+        log.warning("%s", line)
+    return cfg, notes
+
+
+def map_config(hf: Mapping[str, Any], *, latent_norm_eps: float | None, honour_rope_flags: bool,
+               overrides: Mapping[str, Any] | None) -> tuple[ModelConfig, list[str], list[str]]:
+    """`config_from_hf` without logging -> (ModelConfig, notes, one line per RoPE flag of config.json ignored)."""
+    errors, notes, ignored = [], [], []
     mt = hf.get("model_type")
     if mt not in MODEL_TYPES:
         raise ConfigError(f"config.json model_type={mt!r}: must be one of {list(MODEL_TYPES)}")
-    defaults = {**_COMMON_DEFAULTS, **_DEFAULTS[mt]}
+    defaults = {**_COMMON_DEFAULTS, **_DEFAULTS[mt], **HF_ROPE_LAYOUT[mt]}
     d: dict[str, Any] = {}
     for name in _COPIED:
         if hf.get(name) is not None:
@@ -60,6 +80,11 @@ def config_from_hf(hf: Mapping[str, Any], *, latent_norm_eps: float | None = HF_
             errors.append(f"{name}: missing (required)")
     for name in ("rope_interleave", "indexer_rope_interleave", "norm_topk_prob"):
         d[name] = bool(d.get(name))
+    for name, used in HF_ROPE_LAYOUT[mt].items():
+        if not honour_rope_flags and d[name] != used:
+            ignored.append(f"config.json {name}={hf[name]!r} ignored, using {used}: transformers 5.24 ignores it "
+                           f"({mt} hard-codes this RoPE layout); honour_rope_flags=True uses the file's value")
+            d[name] = used
     for name in ("rms_norm_eps", "routed_scaling_factor"):
         if name in d:
             d[name] = float(d[name])
@@ -149,7 +174,7 @@ def config_from_hf(hf: Mapping[str, Any], *, latent_norm_eps: float | None = HF_
     if errors:
         raise ConfigError("config.json: " + "; ".join(errors))
     d.update(dict(overrides or {}))
-    return ModelConfig.from_dict(d), notes
+    return ModelConfig.from_dict(d), notes, ignored
 
 
 def _is_fp8_block(q: Mapping) -> bool:
@@ -162,9 +187,15 @@ def fp8_block(hf: Mapping) -> tuple[int, int] | None:
 
 
 def config_to_hf(cfg: ModelConfig, model_type: str = "glm_moe_dsa", dtype: str = "bfloat16") -> dict:
-    """ModelConfig -> a config.json dict that transformers (and config_from_hf) read back to the same model."""
+    """ModelConfig -> a config.json dict that transformers (and config_from_hf) read back to the same model.
+    A RoPE layout transformers cannot compute (HF_ROPE_LAYOUT) is written as is, with a warning: config_from_hf
+    with honour_rope_flags=True, vLLM and SGLang read it back, transformers does not."""
     if model_type not in MODEL_TYPES:
         raise ConfigError(f"model_type={model_type!r}: must be one of {list(MODEL_TYPES)}")
+    for name, hf_value in HF_ROPE_LAYOUT[model_type].items():
+        if getattr(cfg, name) != hf_value:
+            log.warning("%s=%s written to config.json: transformers 5.24 ignores it and computes %s (%s), so its "
+                        "logits will differ", name, getattr(cfg, name), hf_value, model_type)
     types = list(cfg.layer_indexer_types)
     if model_type == "deepseek_v32" and "shared" in types:
         raise ConfigError("model_type='deepseek_v32' cannot express IndexShare 'shared' layers: export as glm_moe_dsa")

@@ -1,0 +1,85 @@
+"""Train a glmjax model, one stage or a whole recipe (`glmjax-train`, or `python train.py` from the repo root):
+
+  python train.py --config=configs/recipe_tiny.py --workdir=runs/x            # the stages of config.recipe
+  python train.py --config=configs/tiny.py --workdir=runs/y --config.train.steps=100
+  python train.py --config=configs/recipe_tiny.py --config.stage=sparse_adapt --config.init_from=runs/x/dense_warmup \\
+      --workdir=runs/z
+
+Running the same command again resumes from the newest checkpoint in workdir (finished stages are skipped). A
+changed config stops with the list of changed fields (see glmjax/train/resume.py for train.on_config_change).
+Errors in the config, the flags, the data or the checkpoints end in one line on stderr and a non-zero exit status
+(2: config / flags / data, 3: no usable checkpoint, 1: stopped on a non-finite loss or a full disk); --debug adds
+the traceback.
+"""
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+config_flags.DEFINE_config_file("config", "configs/tiny.py", "experiment config file (ML-collections)")
+flags.DEFINE_string("workdir", "runs/default", "output directory: config.json, metrics.jsonl, tb/, checkpoints/")
+flags.DEFINE_string("compilation_cache", None, "directory for JAX's persistent compilation cache (off if unset); "
+                    "saves the compile time of repeated runs")
+flags.DEFINE_bool("debug", False, "print the full traceback of an error (by default one line)")
+FLAGS = flags.FLAGS
+
+
+def parse_flags(argv):
+    """absl's parsing, with a config override of an unknown field reported in one line, not a traceback; --help
+    prints this module's docstring and flags and exits 0."""
+    if any(a in ("-h", "--help", "-help", "--helpshort", "-?") for a in argv[1:]):
+        print(__doc__)
+        print(FLAGS.module_help(__name__))
+        sys.exit(0)
+    try:
+        return FLAGS(argv)
+    except flags.Error as e:
+        fail(f"flag error: {e}", 2)
+    except (KeyError, AttributeError, TypeError, ValueError) as e:
+        if "--debug" in argv:
+            raise
+        text = str(e.args[0] if e.args else e).replace("\\'", "'").strip("'\"")
+        name = text.split("'")[1] if text.count("'") >= 2 else text.split("\n")[0]
+        culprit = next((a for a in argv[1:] if name in a), "a --config override")
+        fail(f"flag error: {culprit}: no field {name!r} in this config"
+             + (f" ({text.splitlines()[-1]})" if "Did you mean" in text else ""), 2)
+
+
+def fail(message: str, code: int):
+    print(message, file=sys.stderr)
+    sys.exit(code)
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint file at INFO
+    import jax
+
+    from glmjax.config import ConfigError
+    from glmjax.data.sources import DataError
+    from glmjax.launch import run
+    from glmjax.train.checkpoint import CheckpointError
+    from glmjax.train.loop import DiskFull
+
+    if FLAGS.compilation_cache:
+        jax.config.update("jax_compilation_cache_dir", FLAGS.compilation_cache)
+    errors = {ConfigError: ("config error", 2), DataError: ("data error", 2), CheckpointError: ("checkpoint error", 3),
+              FloatingPointError: ("stopped", 1), DiskFull: ("stopped", 1)}
+    try:
+        run(FLAGS.config, FLAGS.workdir)
+    except tuple(errors) as e:
+        if FLAGS.debug:
+            raise
+        what, code = next(v for k, v in errors.items() if isinstance(e, k))
+        fail(f"{what}: {e}", code)
+    return 0
+
+
+def cli():
+    """The `glmjax-train` entry point."""
+    app.run(main, flags_parser=parse_flags)
+
+
+if __name__ == "__main__":
+    cli()

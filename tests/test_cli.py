@@ -1,0 +1,107 @@
+"""The console scripts of pyproject.toml [project.scripts]: each answers --help with exit status 0, and
+glmjax-generate gives the tokens of `glmjax.infer.generate` called directly (greedy), with the byte tokenizer and
+with an HF tokenizer's chat template."""
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from glmjax.cli import generate as gen_cli
+from glmjax.data.chat import ChatTemplate
+from glmjax.data.hf_tokenizer import HFTokenizer
+from glmjax.data.tokenizer import ByteTokenizer
+from glmjax.infer import Decoder, generate
+from glmjax.interop import hf as hf_mod
+from glmjax.model import GLM
+from helpers import tiny
+from hf_tokenizer_fixture import write_tokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_train_help_exits_0():
+    for argv in (["train.py"], ["-m", "glmjax.cli.train"]):
+        out = subprocess.run([sys.executable, *argv, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert "resumes from the newest checkpoint" in out.stdout and "--workdir" in out.stdout
+
+
+@pytest.mark.parametrize("main", [hf_mod.main, gen_cli.main])
+def test_help_exits_0(main, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0 and "usage: glmjax-" in capsys.readouterr().out
+
+
+def imported_checkpoint(model, path):
+    """The directory `glmjax-hf import` writes (model_config.json + state/), without hf_layout.json."""
+    import orbax.checkpoint as ocp
+
+    os.makedirs(path)
+    with ocp.StandardCheckpointer() as ck:
+        ck.save(os.path.join(path, "state"), nnx.state(model))
+    with open(os.path.join(path, "model_config.json"), "w") as f:
+        json.dump(model.cfg.to_json_dict(), f)
+    return path
+
+
+def run_cli(argv, capsys):
+    assert gen_cli.main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    return lines[:-1], json.loads(lines[-1])
+
+
+@pytest.mark.parametrize("tok", ["byte", "hf_chat"])
+def test_generate_matches_generate_called_directly(tmp_path, capsys, tok):
+    model = GLM(tiny(vocab_size=259 if tok == "byte" else 600, num_nextn_predict_layers=0), nnx.Rngs(4))
+    ckpt = imported_checkpoint(model, str(tmp_path / "ck"))
+    if tok == "byte":
+        tokenizer, flags = ByteTokenizer(), []
+        ids = tokenizer.encode("The sparse indexer", eos=False).tolist()
+    else:
+        tokenizer = HFTokenizer(write_tokenizer(tmp_path / "tok"))
+        flags = ["--tokenizer", f"hf:{tokenizer.directory}", "--chat"]
+        text = ChatTemplate(tokenizer.chat_template, "t", tokenizer.special_tokens).prompt(
+            [{"role": "user", "content": "The sparse indexer"}])
+        assert text.endswith("<|user|>\nThe sparse indexer\n<|assistant|>\n")  # add_generation_prompt=True
+        ids = tokenizer.encode(text, bos=False, eos=False).tolist()
+    ref = generate(Decoder(model), [ids], 6, key=jax.random.key(0), stop_tokens=[tokenizer.eos_id],
+                   pad_id=tokenizer.pad_id)
+    want = ref.tokens[0, :ref.lengths[0]].tolist()
+    text_lines, got = run_cli(["--checkpoint", ckpt, "--prompt", "The sparse indexer", "--max-new-tokens", "6",
+                               "--ids", *flags], capsys)
+    assert got == want and len(want) == 6  # no early stop: every step compared
+    assert "\n".join(text_lines) == tokenizer.decode(np.array(want))
+
+
+def test_generate_errors_in_one_line(tmp_path, capsys):
+    assert gen_cli.main(["--checkpoint", str(tmp_path), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("error: --checkpoint") and "neither a stage workdir" in err
+    assert gen_cli.main(["--checkpoint", str(tmp_path), "--prompt", "x", "--chat"]) == 2
+    assert "has no chat template" in capsys.readouterr().err
+
+
+def test_generate_loads_a_stage_workdir_and_an_hf_checkpoint(tmp_path):
+    from glmjax.train.checkpoint import Checkpoints
+
+    model = GLM(tiny(num_nextn_predict_layers=0), nnx.Rngs(5))
+    work = str(tmp_path / "stage")
+    ck = Checkpoints(work, async_save=False)
+    meta = {"model": model.cfg.to_json_dict(), "stage": "pretrain"}
+    ck.save(3, nnx.state(model).to_pure_dict(), {"count": np.zeros((), np.int32)}, {}, meta)  # as the loop saves
+    ck.close()
+    with open(os.path.join(work, "config.json"), "w") as f:  # a stage workdir also holds the run's config.json
+        json.dump({"model": model.cfg.to_json_dict()}, f)
+    hf_dir = str(tmp_path / "hf")
+    hf_mod.save_hf(model, hf_dir, None, dtype="F32")
+    for path, want in ((work, model), (hf_dir, hf_mod.load_hf(hf_dir)[0])):
+        got = gen_cli.load_model(path)
+        assert got.cfg == want.cfg
+        a, b = jax.tree.leaves(nnx.state(got, nnx.Param)), jax.tree.leaves(nnx.state(want, nnx.Param))
+        assert len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
