@@ -19,9 +19,8 @@ import sys
 import jax
 from flax import nnx
 
-from glmjax.config import ConfigError, ModelConfig
+from glmjax.config import ModelConfig
 from glmjax.data.chat import ChatTemplate
-from glmjax.data.sources import DataError
 from glmjax.data.tokenizer import make_tokenizer
 from glmjax.infer import Decoder, generate
 from glmjax.model import GLM
@@ -83,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{tokenizer.vocab_size} (the model's is {model.cfg.vocab_size}) and are left out of the text",
                   file=sys.stderr)
         print(tokenizer.decode(known))
-    except (ConfigError, DataError, FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError) as e:  # ConfigError, DataError, HFCheckpointError are ValueErrors
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.ids:
