@@ -1,5 +1,6 @@
 """The byte tokenizer, the router-bias row mapping, the chip table and the loop hooks' schedule (training runs:
 test_recipe.py, test_train_sharded.py, test_reliability.py, test_resume.py)."""
+import json
 import os
 import sys
 
@@ -132,3 +133,41 @@ def test_hook_schedule_and_checkpoint_on_a_caught_signal():
     assert hook(10) is None and saved == [4, 5, 8, 10]  # the last step: the run is complete, nothing to stop
     assert log.lines == ["SIGTERM: checkpoint written at step 5; stopping", "SIGTERM: checkpoint written at step 8; "
                          "stopping"]
+
+
+def read_scalars(directory: str) -> list[tuple[str, int, float]]:
+    """(tag, step, value) of every scalar in the TensorBoard event files of `directory`: TFRecord framing (u64 length,
+    u32 crc, data, u32 crc) of Event protos, read here without TensorBoard."""
+    import struct
+
+    from tensorboardX.proto.event_pb2 import Event
+
+    out = []
+    for name in sorted(os.listdir(directory)):
+        with open(os.path.join(directory, name), "rb") as f:
+            data = f.read()
+        at = 0
+        while at < len(data):
+            (n,) = struct.unpack("<Q", data[at:at + 8])
+            event = Event.FromString(data[at + 12:at + 12 + n])
+            at += 12 + n + 4
+            out += [(v.tag, event.step, v.simple_value) for v in event.summary.value]
+    return out
+
+
+def test_metrics_log_writes_jsonl_and_tensorboard_scalars_without_importing_torch(tmp_path):
+    """Every record is one metrics.jsonl line and, but for "step", TensorBoard scalars at its step; tensorboardX
+    would import torch (seconds per run) if it were let."""
+    import subprocess
+
+    records = [{"step": 1, "loss": 2.5, "lr": 0.001}, {"step": 2, "loss": 1.25, "lr": 0.002}]
+    code = ("import json, sys; from glmjax.train.hooks import MetricsLog\n"
+            f"with MetricsLog({str(tmp_path / 'm.jsonl')!r}, 'w', {str(tmp_path / 'tb')!r}, disable=True) as log:\n"
+            f"    [log.write(r) for r in {records!r}]\n"
+            "print('torch' in sys.modules)")
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.split() == ["False"], p.stdout + p.stderr
+    assert [json.loads(line) for line in open(tmp_path / "m.jsonl")] == records
+    got = sorted(read_scalars(str(tmp_path / "tb")))
+    # TensorBoard scalars are float32
+    assert got == sorted((k, r["step"], float(np.float32(v))) for r in records for k, v in r.items() if k != "step")

@@ -110,9 +110,17 @@ class CheckpointHook:
 
 
 def tensorboard_writer(directory: str):
+    # tensorboardX imports torch when it is installed, only to accept torch tensors (we log floats): hiding torch
+    # while tensorboardX loads saves ~2 s and ~300 MB per run.
+    hide_torch = "torch" not in sys.modules
+    if hide_torch:
+        sys.modules["torch"] = None  # `import torch` raises ImportError
     try:
         from tensorboardX import SummaryWriter
     except ImportError:  # optional: JSONL metrics are always written
         print("tensorboardX is not installed: TensorBoard logs off", file=sys.stderr)
         return None
+    finally:
+        if hide_torch:
+            del sys.modules["torch"]
     return SummaryWriter(directory)
