@@ -63,8 +63,8 @@ def main():
         for mode in ("dense", "sparse"):
             prefill_s, step, tps = bench(cfg, ctx, a.batch, a.steps, mode)
             rows.append((ctx, mode, step, tps, prefill_s))
-            print(f"context {ctx} {mode}: {step * 1e3:.1f} ms/step, {tps:.1f} tokens/s (prefill+compile {prefill_s:.1f} s)",
-                  flush=True)
+            print(f"context {ctx} {mode}: {step * 1e3:.1f} ms/step, {tps:.1f} tokens/s "
+                  f"(prefill+compile {prefill_s:.1f} s)", flush=True)
     print("\n| context | mode | ms / decode step (median) | tokens/s | sparse / dense tokens/s |")
     print("|---:|---|---:|---:|---:|")
     for ctx, mode, step, tps, _ in rows:

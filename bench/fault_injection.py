@@ -9,8 +9,9 @@ One uninterrupted run of configs/tiny.py (tiny: seq 32, batch 2, `--steps` steps
 seeded RNG); each launch of the same command is sent SIGKILL a delay after it logs its first training step, the
 delay drawn uniformly over the reference's training time (so kills land mid-training and mid-checkpoint-write, not
 during start-up; a launch that finishes first is simply done), and the same command is started again until it
-exits by itself. Every workdir must then end with exit status 0, summary.json, and every loss record in metrics.jsonl (the
-re-logged steps after each resume included) bitwise equal to the reference's loss of that step, for all steps.
+exits by itself. Every workdir must then end with exit status 0, summary.json, and every loss record in
+metrics.jsonl (the re-logged steps after each resume included) bitwise equal to the reference's loss of that step,
+for all steps.
 
 Prints one row per kill (kill #, delay, the last step that launch logged before the kill or "setup", the step the
 next launch resumed from: "0 (fresh)" without a checkpoint, "complete" if the kill came after summary.json, "-"

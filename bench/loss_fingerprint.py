@@ -40,7 +40,8 @@ def fingerprint(workdir: str) -> dict:
     p.optim.warmup_steps = 2
     p.ppo.update(steps=5, critic_warmup_steps=2, sft_steps=10, eval_every=0, eval_problems=8, eval_samples=2)
     train_ppo(p, os.path.join(workdir, "ppo"), progress=False)
-    result["ppo"] = losses(os.path.join(workdir, "ppo", "metrics.jsonl"), ("reward_mean", "value_loss", "policy_loss", "entropy"))
+    result["ppo"] = losses(os.path.join(workdir, "ppo", "metrics.jsonl"),
+                           ("reward_mean", "value_loss", "policy_loss", "entropy"))
     return result
 
 

@@ -68,8 +68,9 @@ def main():
           "mean step s |")
     print("|---|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {'async' if r['async'] else 'sync'} | {r['response_tokens']:.1f} | {r['rollout_tokens_per_s']:,.0f} | "
-              f"{r['trainer_tokens_per_s']:,.0f} | {r['wait_share']:.1%} | {r['step_s']:.3f} |")
+        print(f"| {'async' if r['async'] else 'sync'} | {r['response_tokens']:.1f} | "
+              f"{r['rollout_tokens_per_s']:,.0f} | {r['trainer_tokens_per_s']:,.0f} | {r['wait_share']:.1%} | "
+              f"{r['step_s']:.3f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

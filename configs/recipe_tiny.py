@@ -5,7 +5,8 @@ mean attention of the layers they serve). The tiny model (docs/model.md A.5 shap
 indexer really selects; about 10 minutes on a 2-core CPU for all four stages.
 
   python train.py --config=configs/recipe_tiny.py --workdir=runs/recipe_tiny
-  python train.py --config=configs/recipe_tiny.py --config.stage=sparse_adapt --config.init_from=runs/recipe_tiny/dense_warmup ...
+  python train.py --config=configs/recipe_tiny.py --config.stage=sparse_adapt \
+      --config.init_from=runs/recipe_tiny/dense_warmup ...
 """
 from configs import tiny
 from glmjax.train.config import experiment_fields

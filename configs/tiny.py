@@ -14,8 +14,8 @@ from glmjax.train.config import default_train_config, experiment_fields
 
 def get_config():
     c = ml_collections.ConfigDict()
-    # ModelConfig's defaults are docs/model.md A.5's shapes (vocab 512 >= 259 for the byte tokenizer, 6 layers, hidden 128,
-    # 16 experts, 4 per token, MTP depth 3); A.5's expert groups and IndexShare pattern are given here, and
+    # ModelConfig's defaults are docs/model.md A.5's shapes (vocab 512 >= 259 for the byte tokenizer, 6 layers,
+    # hidden 128, 16 experts, 4 per token, MTP depth 3); A.5's expert groups and IndexShare pattern are given here, and
     # index_topk 16 (A.5: 8) for seq_len 128
     c.model = model_config_dict(n_group=4, topk_group=2, index_topk=16,
                                 indexer_types=("full", "full", "shared", "shared", "full", "shared"))

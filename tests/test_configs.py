@@ -191,8 +191,8 @@ def test_invalid_model_config_names_the_field(field, change):
         ModelConfig.from_dict({**TINY, **change})
 
 
-@pytest.mark.parametrize("field,value", [("mode", "fast"), ("seq_len", 0), ("batch_size", 0), ("bias_update_rate", -1.0),
-                                         ("nan_policy", "ignore"), ("seq_len", 512)])
+@pytest.mark.parametrize("field,value", [("mode", "fast"), ("seq_len", 0), ("batch_size", 0),
+                                         ("bias_update_rate", -1.0), ("nan_policy", "ignore"), ("seq_len", 512)])
 def test_invalid_train_config_names_the_field(field, value):
     c = load("tiny")
     c.train[field] = value

@@ -1,5 +1,5 @@
-"""glmjax.flops against independent references: the docs/model.md A.1/A.2 parameter totals, the actual NNX parameter tree,
-XLA's own FLOP count of the compiled model code (forward of single layers, an absorbed decode step, the MTP layer
+"""glmjax.flops against independent references: the docs/model.md A.1/A.2 parameter totals, the actual NNX parameter
+tree, XLA's own FLOP count of the compiled model code (forward of single layers, an absorbed decode step, the MTP layer
 and a whole model), brute-force sums, and the structural claims (sparse vs dense, IndexShare in between)."""
 import os
 from collections import Counter
@@ -285,7 +285,8 @@ def test_mtp_depth_forward_matches_xla(mode):
 @pytest.mark.parametrize("T", [48, 256])  # below and above index_topk = 64
 @pytest.mark.parametrize("sparse", [False, True])
 def test_absorbed_decode_step_matches_xla(T, sparse):
-    """One new token over a cache of T rows (itself included), docs/model.md D.2, written here from the module's weights."""
+    """One new token over a cache of T rows (itself included), docs/model.md D.2, written here from the module's
+    weights."""
     cfg = tiny(**MID)
     gd, st = abstract_module(lambda: MLA(cfg, True, nnx.Rngs(0)))
     d_n, r_kv = cfg.qk_nope_head_dim, cfg.kv_lora_rank

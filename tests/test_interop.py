@@ -1,7 +1,7 @@
 """HF interop against transformers (CPU torch, float32): logit and per-layer top-k parity for GlmMoeDsaForCausalLM
 (Full + Shared layers, MTP) and DeepseekV32ForCausalLM (half-split indexer RoPE, YaRN, n_group > 1), a wrong-RoPE
-negative control, bit-exact export(import(x)), named errors, FP8 dequantisation, sharded import, the CLI and the RoPE flags
-transformers ignores (docs/model.md F-1)."""
+negative control, bit-exact export(import(x)), named errors, FP8 dequantisation, sharded import, the CLI and the RoPE
+flags transformers ignores (docs/model.md F-1)."""
 import json
 import math
 import os
@@ -101,7 +101,8 @@ def file_layout(state: dict, prefix: str) -> dict:
 
 
 class MTPRef(torch.nn.Module):
-    """The MTP block of docs/model.md B.11 from transformers pieces: enorm, hnorm, eh_proj, decoder layer N, shared_head."""
+    """The MTP block of docs/model.md B.11 from transformers pieces: enorm, hnorm, eh_proj, decoder layer N,
+    shared_head."""
 
     def __init__(self, kind, seed):
         super().__init__()
@@ -296,7 +297,8 @@ def test_mtp_layer_matches_transformers_pieces(ckpts, tokens):
     assert model.mtp is not None and not layout.copies
     nxt = np.roll(tokens, -1, axis=1)
     with torch.no_grad():
-        h_hf = hf_model.model(torch.tensor(tokens, dtype=torch.long)).last_hidden_state  # post-norm (docs/model.md B.11)
+        # post-norm (docs/model.md B.11)
+        h_hf = hf_model.model(torch.tensor(tokens, dtype=torch.long)).last_hidden_state
         emb = hf_model.model.embed_tokens(torch.tensor(nxt, dtype=torch.long))
         ref = hf_model.lm_head(mtp_ref(emb, h_hf, hf_model.model.rotary_emb)).numpy()
 
@@ -588,7 +590,8 @@ def test_config_mapping():
     base.pop("indexer_types")
     cfg, _ = config_from_hf({**base, "num_hidden_layers": 78, "index_topk_freq": 4, "index_skip_topk_offset": 3})
     t = cfg.layer_indexer_types
-    assert "".join(x[0].upper() for x in t[:10]) == "FFFSSSFSSS" and t.count("full") == 21  # GLM-5.2 (docs/model.md B.8)
+    # GLM-5.2 (docs/model.md B.8)
+    assert "".join(x[0].upper() for x in t[:10]) == "FFFSSSFSSS" and t.count("full") == 21
     cfg, _ = config_from_hf(base)
     assert set(cfg.layer_indexer_types) == {"full"}  # GLM-5 / 5.1: no schedule fields -> every layer full
     legacy = {**DS_TINY, "model_type": "deepseek_v32", "rope_theta": 1e4,

@@ -86,8 +86,9 @@ def test_notebooks_run_on_cpu(group, tmp_path, monkeypatch):
     for path in (os.path.join(ROOT, "notebooks", n + ".ipynb") for n in group):
         nb = nbformat.read(path, as_version=4)
         with_parameters(nb, SIZE="ci", STEPS=None, WORKDIR=str(tmp_path / "runs"))
-        NotebookClient(nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
-        nbformat.write(nb, str(tmp_path / os.path.basename(path)))  # the executed notebook, for inspection
+        client = NotebookClient(nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
+        client.execute()
+        nbformat.write(nb, str(tmp_path / os.path.basename(path)))  # the executed notebook
         pngs = figures(nb)
         assert len(pngs) == FIGURES[name(path)], f"{name(path)}: {len(pngs)} figures"
         for i, png in enumerate(pngs):

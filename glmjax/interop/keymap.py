@@ -48,8 +48,9 @@ def config_from_hf(hf: Mapping[str, Any], *, latent_norm_eps: float | None = HF_
     """config.json (glm_moe_dsa / deepseek_v32) -> (ModelConfig, notes). Every unsupported or missing field is
     reported at once in one ConfigError.
 
-    latent_norm_eps: eps of q_a_layernorm / kv_a_layernorm. Default 1e-6 = what HF transformers builds (docs/model.md F-4),
-    which is what `from_pretrained` models compute; None -> rms_norm_eps (what Megatron/vLLM/SGLang use).
+    latent_norm_eps: eps of q_a_layernorm / kv_a_layernorm. Default 1e-6 = what HF transformers builds
+    (docs/model.md F-4), which is what `from_pretrained` models compute; None -> rms_norm_eps (what
+    Megatron/vLLM/SGLang use).
     honour_rope_flags: False (default) -> the RoPE layouts transformers computes (HF_ROPE_LAYOUT), logging one
     warning per `rope_interleave` / `indexer_rope_interleave` in config.json that says otherwise; True -> the flags
     as written (what vLLM / SGLang do, docs/model.md F-1).

@@ -23,16 +23,14 @@ Split mode (docs/model.md E.6, "Muon Split"):
   o_proj    [H, d_v, D]               per head when split_o_proj (a head's [d_v, D] block).
 Unsplit Muon ("muon") orthogonalises each of the three as one matrix over all heads (r_q x H*(d_nope+d_rope), ...).
 
-Why rope "together" is the default (the sources leave it open, docs/model.md E.6): the paper splits W^UQ "by head", and a head's query
-q_h = c_q W^UQ_h feeds one attention logit q_h . k_h = q_nope . k_nope + q_rope . k_rope. Orthogonalising the whole
-[r_q, d_nope + d_rope] block bounds the spectral norm of that head's query update, which is what bounds the change of
-the head's logits -- the quantity Muon-Split is reported to keep stable. Orthogonalising nope and rope apart gives
-each part spectral norm ~1, so the head's query update can reach ~sqrt(2) of it and the rope part (64 of 256 columns
-in GLM-5) moves as much as the nope part. It is also the GQA analogue the paper compares with: a GQA head's W_Q slice
-contains its rotary dimensions. "separate" stays available for ablation. W_UK and W_UV are always apart: they are two
-different maps (key vs value) that merely share a storage tensor.
-"""
-from __future__ import annotations
+Why rope "together" is the default (the sources leave it open, docs/model.md E.6): the paper splits W^UQ "by head", and
+a head's query q_h = c_q W^UQ_h feeds one attention logit q_h . k_h = q_nope . k_nope + q_rope . k_rope. Orthogonalising
+the whole [r_q, d_nope + d_rope] block bounds the spectral norm of that head's query update, which is what bounds the
+change of the head's logits -- the quantity Muon-Split is reported to keep stable. Orthogonalising nope and rope apart
+gives each part spectral norm ~1, so the head's query update can reach ~sqrt(2) of it and the rope part (64 of 256
+columns in GLM-5) moves as much as the nope part. It is also the GQA analogue the paper compares with: a GQA head's W_Q
+slice contains its rotary dimensions. "separate" stays available for ablation. W_UK and W_UV are always apart: they are
+two different maps (key vs value) that merely share a storage tensor. """ from __future__ import annotations
 
 import dataclasses
 import math

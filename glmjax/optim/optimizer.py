@@ -9,8 +9,8 @@ Pipeline of one update (all inside jit; the Python-side bookkeeping happens once
   grads (any pytree of the parameters' structure: nnx.State of Params, pure dict, ...)
    -> {path: array}                       keyed by the parameter path, checked against the built tree
    -> clip per clip group                 "lm" (everything the LM loss trains) and "indexer" (trained only by its
-                                          own KL loss, docs/model.md E.3) get separate global norms, so the indexer's grads
-                                          never shrink or dominate the LM clipping
+                                          own KL loss, docs/model.md E.3) get separate global norms, so the
+                                          indexer's grads never shrink or dominate the LM clipping
    -> cut into parts                      W_UK | W_UV (and nope | rope) of split matrices
    -> per optimizer group                 muon / adamw / indexer / indexer_muon, each with its own schedule
    -> merge parts, back to the input tree structure

@@ -107,7 +107,8 @@ class _OrbaxNoise(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         orbax = f"{os.sep}orbax{os.sep}" in (record.pathname or "")
-        orphan = record.name == "asyncio" and "exception was never retrieved" in str(record.msg)  # asyncio: its failed sibling writes
+        # asyncio: the failed sibling writes
+        orphan = record.name == "asyncio" and "exception was never retrieved" in str(record.msg)
         if record.levelno < logging.CRITICAL and (orbax or orphan):
             _OrbaxNoise.count += 1
             return False
