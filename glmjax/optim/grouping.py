@@ -30,7 +30,9 @@ change of the head's logits -- the quantity Muon-Split is reported to keep stabl
 gives each part spectral norm ~1, so the head's query update can reach ~sqrt(2) of it and the rope part (64 of 256
 columns in GLM-5) moves as much as the nope part. It is also the GQA analogue the paper compares with: a GQA head's W_Q
 slice contains its rotary dimensions. "separate" stays available for ablation. W_UK and W_UV are always apart: they are
-two different maps (key vs value) that merely share a storage tensor. """ from __future__ import annotations
+two different maps (key vs value) that merely share a storage tensor.
+"""
+from __future__ import annotations
 
 import dataclasses
 import math
