@@ -51,8 +51,9 @@ def kernel_placement(jaxpr, inside=False) -> set:
 
 def test_sparse_stage_loss_and_gradients_equal_one_device(mesh, monkeypatch):
     """Sparse attention + indexer KL (the sparse_adapt loss), attention_impl="pallas": one device vs the mesh (the
-    kernels inside shard_map, keys gathered over context, global query slots), f32, <= 1e-5 relative; the XLA
-    backend on the same mesh (XLA partitions it) gives the same loss."""
+    kernels inside shard_map, keys gathered over context, global query slots; the MoE's tokens split over fsdp x
+    context; the chunked LM loss, 2 chunks of 20), f32, <= 1e-5 relative for the loss and every parameter's
+    gradient; the XLA backend on the same mesh (XLA partitions it) gives the same loss."""
     monkeypatch.setenv(pallas_kernels.common.INTERPRET_ENV, "fast")
     c = cfg("pallas")
     graphdef, init = par.sharded_init(lambda: GLM(c, nnx.Rngs(0)), mesh, nnx.Param, ...)
