@@ -1,6 +1,7 @@
 """The Pallas kernels compile with Mosaic for real TPU topologies at GLM-5 shapes (H=64, latent 512+64, H_I=32,
 d_I=128, k=2048, S=8192), inside shard_map over every chip, without a TPU (jax[tpu]'s libtpu + topologies).
 v5e:2x2 runs by default; v5p:2x2x2 (8 chips, ~15-40 s per kernel on 2 cores) is marked slow."""
+import jax
 import pytest
 
 from pallas_kernels.aot import GLM5, compile_kernel, kernel_flops
@@ -25,3 +26,30 @@ def test_glm5_kernels_compile_for_tpu(topology, kernel):
     cost = cost[0] if isinstance(cost, list) else cost
     declared = kernel_flops(kernel, **GLM5)
     assert declared <= cost["flops"] < 1.05 * declared  # the kernels' cost estimates reach XLA's analysis
+
+
+def test_whole_train_step_with_the_kernels_compiles_for_v5p_on_a_context_mesh():
+    """The tiny model's whole sparse_adapt train step with attention_impl="pallas" compiles with Mosaic for v5p:2x2x2
+    on fsdp=2 x context=2 x tensor=2 (without shard_map around the kernels XLA refuses: "Mosaic kernels cannot be
+    automatically partitioned"). Each kernel sees its shard: sparse MLA 1 row x 32 of the 64 queries x 2 of the 4
+    heads against all 64 latent rows; the indexer top-k 16 queries (split over context x tensor)."""
+    from glmjax import parallel as par
+    from glmjax.optim.config import default_optim_config
+    from glmjax.train import aot
+    from sharded_training import small_cfg
+
+    cfg = small_cfg(attention_impl="pallas", num_hidden_layers=1, first_k_dense_replace=0, indexer_types=("full",))
+    mesh = par.make_mesh(dict(data=1, fsdp=2, context=2, tensor=2), aot.topology_devices("v5p:2x2x2"))
+    lowered = aot.lower_train_step(cfg, default_optim_config(name="adamw", warmup_steps=0), mesh, batch=2, seq=64)
+    cache = jax.config.jax_enable_compilation_cache  # a topology executable cannot be stored / reloaded
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        hlo = lowered.compile().as_text()
+    finally:
+        jax.config.update("jax_enable_compilation_cache", cache)
+    calls = {name: line for line in hlo.splitlines() if 'custom_call_target="tpu_custom_call"' in line
+             for name in KERNEL_CALLS["sparse_mla"] + KERNEL_CALLS["index_topk"] if f"%{name}" in line.split("=")[0]}
+    assert set(calls) == {"sparse_mla_fwd", "sparse_mla_bwd", "index_topk"}, set(calls)
+    C, R = cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.kv_lora_rank
+    assert f"= (f32[1,32,2,{R}]" in calls["sparse_mla_fwd"] and f"f32[1,64,{C}]" in calls["sparse_mla_fwd"]
+    assert "= (s32[1,16,128]" in calls["index_topk"]  # (the 64 keys are padded to one 128-key block)

@@ -38,12 +38,13 @@ def sizes(mesh):
 
 def test_mesh_from_config_sizes_and_errors():
     mesh = par.make_mesh(par.default_parallel_config(fsdp=2, tensor=2))
-    assert mesh.axis_names == ("data", "fsdp", "expert", "tensor") and sizes(mesh) == dict(data=2, fsdp=2, expert=1,
-                                                                                             tensor=2)
+    assert mesh.axis_names == ("data", "fsdp", "expert", "context", "tensor")
+    assert sizes(mesh) == dict(data=2, fsdp=2, expert=1, context=1, tensor=2)
     assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
     assert sorted(d.id for d in mesh.devices.flat) == list(range(8))
-    assert sizes(par.make_mesh(None)) == dict(data=8, fsdp=1, expert=1, tensor=1)
-    assert sizes(par.make_mesh(dict(data=2, fsdp=-1))) == dict(data=2, fsdp=4, expert=1, tensor=1)
+    assert sizes(par.make_mesh(None)) == dict(data=8, fsdp=1, expert=1, context=1, tensor=1)
+    assert sizes(par.make_mesh(dict(data=2, fsdp=-1))) == dict(data=2, fsdp=4, expert=1, context=1, tensor=1)
+    assert sizes(par.make_mesh(dict(context=4))) == dict(data=2, fsdp=1, expert=1, context=4, tensor=1)
     with pytest.raises(ConfigError, match="only one mesh axis may be -1"):
         par.make_mesh(dict(data=-1, fsdp=-1))
     with pytest.raises(ConfigError, match=r"parallel.data=-1: the other axes multiply to 3"):
@@ -223,6 +224,21 @@ def test_global_batch_and_process_rows_single_process():
     np.testing.assert_array_equal(np.asarray(g), tok)
     with pytest.raises(ValueError, match="not divisible by the 8 batch shards"):
         par.global_batch({"t": tok[:4]}, mesh, 4)
+
+
+def test_context_axis_splits_the_sequence_and_shards_parameters_like_fsdp():
+    mesh = par.make_mesh(dict(data=1, fsdp=2, context=2, tensor=2))
+    assert par.batch_spec(mesh) == P("fsdp", ("context",)) and par.num_batch_shards(mesh) == 2
+    assert par.token_axes(mesh) == ("fsdp", "context")
+    assert par.logical_spec(("embed", "mlp"), (128, 256), mesh) == P(("fsdp", "context"), "tensor")
+    assert par.logical_spec(("batch", "index_queries"), (4, 40), mesh) == P("fsdp", ("context", "tensor"))
+    np.testing.assert_array_equal(par.process_rows(par.batch_sharding(mesh), 4), np.arange(4))  # rows only
+    tok = np.arange(4 * 6, dtype=np.int32).reshape(4, 6)
+    g = par.global_batch({"t": tok}, mesh, 4)["t"]
+    assert g.sharding.spec == P("fsdp", ("context",)) and g.addressable_shards[0].data.shape == (2, 3)
+    np.testing.assert_array_equal(np.asarray(g), tok)
+    with pytest.raises(ValueError, match=r"shape \(4, 5\): its sequence length must be divisible by the 2 context"):
+        par.global_batch({"t": tok[:, :5]}, mesh, 4)
 
 
 def test_distributed_args_from_config_then_environment(monkeypatch):

@@ -21,7 +21,7 @@ rows to the devices owning their experts, those run their local experts and send
             the last sources past a destination's EP * cap).
 
 Dropless results equal the single-device MoE up to float summation order (the "tensor" psum). The expert load is
-the global one on any mesh: per-shard counts summed over the batch axes (padding rows removed).
+the global one on any mesh: per-shard counts summed over the token axes (padding rows removed).
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from flax import nnx
 
 from glmjax.config import ModelConfig
 from glmjax.model.layers import dense, dtype_of, f32, normal_param
-from glmjax.parallel.rules import batch_axes, logical_spec
+from glmjax.parallel.rules import logical_spec, token_axes
 
 EXPERT_IN_AXES = ("experts", "embed", "expert_mlp")  # experts_gate / experts_up [E, D, I]
 EXPERT_OUT_AXES = ("experts", "expert_mlp", "embed")  # experts_down [E, I, D]
@@ -123,7 +123,7 @@ class MoE(nnx.Module):
         return combine(ys, weights), sorted_counts(sorted_ids, self.cfg.n_routed_experts)
 
     def sharded_experts(self, x, ids, weights, mesh):
-        """`experts` on a mesh: tokens split over the batch axes, experts over `expert` (see the module doc)."""
+        """`experts` on a mesh: tokens split over the batch and context axes, experts over `expert` (module doc)."""
         cfg = self.cfg
         N, K = ids.shape
         E = cfg.n_routed_experts
@@ -133,7 +133,7 @@ class MoE(nnx.Module):
         e_axes, d_axes, i_axes = (_axes(in_spec, i) for i in range(3))
         if (_axes(out_spec, 0), _axes(out_spec, 1), _axes(out_spec, 2)) != (e_axes, i_axes, d_axes):
             raise ValueError(f"sharding rules split experts_gate {in_spec} and experts_down {out_spec} differently")
-        tok_axes = batch_axes(mesh)
+        tok_axes = token_axes(mesh)  # batch and context axes: a context shard's tokens are like more rows
         if not set(e_axes) <= set(tok_axes) or set(i_axes) & set(tok_axes) or len(e_axes) > 1:
             raise ValueError(f"expert parallelism needs the experts split over one mesh axis that also splits "
                              f"tokens, and the expert hidden over axes that do not: experts {e_axes}, hidden "

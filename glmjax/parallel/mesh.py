@@ -2,12 +2,12 @@
 
     c.parallel = default_parallel_config(fsdp=16, expert=16, tensor=4)   # data=-1: the remaining devices
     initialize_distributed(c.parallel)    # before anything touches devices; a no-op for one process
-    mesh = make_mesh(c.parallel)          # axes ("data", "fsdp", "expert", "tensor"), all Auto
+    mesh = make_mesh(c.parallel)          # axes ("data", "fsdp", "expert", "context", "tensor"), all Auto
 
 Multi-slice: when the devices belong to several slices (`device.slice_index`, e.g. TPU multislice), the data axis
 is laid across slices (data-center network) and the other axes stay inside a slice (ICI), via
 `jax.experimental.mesh_utils.create_hybrid_device_mesh`. Inside a slice `create_device_mesh` maps the axes onto
-the physical torus (tensor innermost, the fastest-communicating axis).
+the physical torus (tensor innermost, the fastest-communicating axis, then context).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import jax
 import ml_collections
 import numpy as np
 from jax.experimental import mesh_utils
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from glmjax.config import ConfigError
 from glmjax.parallel.rules import MESH_AXES
@@ -33,6 +33,7 @@ def default_parallel_config(**overrides) -> ml_collections.ConfigDict:
     c.data = -1  # mesh axis sizes; exactly one may be -1 = "all remaining devices"
     c.fsdp = 1
     c.expert = 1
+    c.context = 1  # context parallelism: the sequence split over this many devices (glmjax/parallel/rules.py)
     c.tensor = 1
     c.num_devices = 0  # 0 = every device; N = the first N (e.g. to leave devices to a rollout worker, or in tests)
     c.num_slices = 0  # 0 = count the devices' slice_index values; the data axis spans the slices
@@ -73,7 +74,8 @@ def mesh_shape(pc, num_devices: int) -> dict[str, int]:
 
 
 def make_mesh(pc=None, devices: Sequence | None = None) -> Mesh:
-    """Mesh with axes ("data", "fsdp", "expert", "tensor") from a `parallel` config section (None: all data)."""
+    """Mesh with axes MESH_AXES ("data", "fsdp", "expert", "context", "tensor") from a `parallel` config section
+    (None: all data)."""
     devices = list(jax.devices() if devices is None else devices)
     n = _get(pc, "num_devices", 0) or len(devices)
     if not isinstance(n, int) or not 1 <= n <= len(devices):
@@ -87,7 +89,8 @@ def make_mesh(pc=None, devices: Sequence | None = None) -> Mesh:
             raise ConfigError(f"parallel.data={sizes['data']}: must be a multiple of the {slices} slices "
                               "(the data axis spans slices)")
         ici = (sizes["data"] // slices,) + shape[1:]
-        arr = mesh_utils.create_hybrid_device_mesh(ici, (slices, 1, 1, 1), devices, allow_split_physical_axes=True)
+        dcn = (slices,) + (1,) * (len(shape) - 1)
+        arr = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, allow_split_physical_axes=True)
     else:
         arr = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
     return Mesh(arr, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
@@ -128,6 +131,8 @@ def initialize_distributed(pc=None) -> bool:
 def process_rows(sharding: jax.sharding.Sharding, global_batch: int) -> np.ndarray:
     """Indices of the global batch rows this process's devices hold (ascending): what its data loader must read.
     Feed those rows, in this order, to `glmjax.parallel.global_batch`."""
+    if isinstance(sharding, NamedSharding):  # rows only: a [B,S] batch sharding may also split the sequence
+        sharding = NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec[:1]))
     rows: set[int] = set()
     for idx in sharding.addressable_devices_indices_map((global_batch,)).values():
         rows.update(range(*idx[0].indices(global_batch)))

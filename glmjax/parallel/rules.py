@@ -6,6 +6,14 @@ Mesh axes (see `glmjax/parallel/mesh.py`):
   fsdp    batch split *and* parameters / optimizer state split along their "embed" dimension (ZeRO-3)
   expert  batch split; routed experts split along "experts" (tokens travel by all-to-all, `glmjax/model/moe.py`);
           every other weight is split along "embed" over it as well, so it acts as a second FSDP axis for them
+  context the sequence of every activation split (context parallelism): each shard holds S / context consecutive
+          tokens of every row; attention all-gathers the keys it needs (the 576-wide MLA latent rows and the
+          indexer keys, `glmjax/model/backends.py`). Parameters and optimizer state are split over it like over
+          fsdp ("embed", "q_lora", "kv_lora"): context ranks, like fsdp ranks, see different tokens, so the
+          gradients must be reduced over the axis anyway (a reduce-scatter instead of an all-reduce: no extra
+          traffic) and the weights are already all-gathered layer by layer for FSDP (the gather group just grows);
+          replicated, parameters + optimizer state would take `context` times the memory per chip, at the long
+          sequences where activations already fill it
   tensor  Megatron-style: attention heads, MLP / expert hidden and vocabulary split; the batch is *not* split
 
 A dimension takes the mesh axes of its rule, left to right over the array's dimensions, skipping mesh axes that an
@@ -21,18 +29,23 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-MESH_AXES = ("data", "fsdp", "expert", "tensor")
+MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")
 
 LOGICAL_RULES: dict[str, tuple[str, ...]] = {
     # activations
-    "batch": ("data", "fsdp", "expert"),  # every axis that splits tokens; tensor ranks share their tokens
+    "batch": ("data", "fsdp", "expert"),  # every axis that splits rows; tensor ranks share their tokens
+    "sequence": ("context",),  # [B,S,...]: the sequence; with "batch", every axis that splits tokens
+    # the queries of the indexer top-k kernel: it sums over its heads inside (the top-k of a head sum cannot be
+    # assembled from per-head partial sums without the [S,T] scores crossing devices), so tensor ranks split the
+    # queries instead of the heads rather than all computing the same top-k
+    "index_queries": ("context", "tensor"),
     # parameters
     "vocab": ("tensor",),  # embed_tokens [V, D], lm_head [D, V]
-    "embed": ("fsdp", "expert"),  # the model width D of every weight: the FSDP dimension
+    "embed": ("fsdp", "expert", "context"),  # the model width D of every weight: the FSDP dimension
     "heads": ("tensor",),  # MLA q_b_proj, kv_b_proj, o_proj
     "head_dim": (),
-    "q_lora": ("fsdp", "expert"),  # q_b_proj / indexer wq_b have no model-width dimension: FSDP over the rank
-    "kv_lora": ("fsdp", "expert"),  # kv_b_proj likewise (kv_a_proj's rank dim stays whole: "embed" took the axes)
+    "q_lora": ("fsdp", "expert", "context"),  # q_b_proj / indexer wq_b have no model width: FSDP over the rank
+    "kv_lora": ("fsdp", "expert", "context"),  # kv_b_proj likewise (kv_a_proj's rank stays whole: "embed" took them)
     "index_heads": ("tensor",),
     "index_head_dim": (),
     "mlp": ("tensor",),  # dense MLP and shared-expert hidden
@@ -91,10 +104,23 @@ def batch_axes(mesh, rules: Mapping[str, Any] | None = None) -> tuple[str, ...]:
     return tuple(a for a in _as_tuple(rules["batch"]) if dict(mesh.shape).get(a, 1) > 1)
 
 
+def sequence_axes(mesh, rules: Mapping[str, Any] | None = None) -> tuple[str, ...]:
+    """The mesh axes (size > 1) that split the sequence (the "sequence" rule)."""
+    rules = LOGICAL_RULES if rules is None else rules
+    return tuple(a for a in _as_tuple(rules["sequence"]) if dict(mesh.shape).get(a, 1) > 1)
+
+
+def token_axes(mesh, rules: Mapping[str, Any] | None = None) -> tuple[str, ...]:
+    """Every mesh axis that splits the tokens of a [B,S] batch: the batch axes, then the sequence axes (the order in
+    which [B,S] -> [B*S] flattens them)."""
+    return batch_axes(mesh, rules) + sequence_axes(mesh, rules)
+
+
 def batch_spec(mesh, rules: Mapping[str, Any] | None = None) -> P:
-    """PartitionSpec of [B, ...] inputs: B split over the batch axes."""
-    ax = batch_axes(mesh, rules)
-    return P(ax if ax else None)
+    """PartitionSpec of [B, S, ...] inputs: B split over the batch axes, and S over the sequence axes when the mesh
+    has any (context > 1)."""
+    ax, seq = batch_axes(mesh, rules), sequence_axes(mesh, rules)
+    return P(ax if ax else None, seq) if seq else P(ax if ax else None)
 
 
 def num_batch_shards(mesh, rules: Mapping[str, Any] | None = None) -> int:

@@ -16,6 +16,7 @@ is how the MoE finds the `expert` axis for expert parallelism (`glmjax/model/moe
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Callable, Mapping
 
 import jax
@@ -23,7 +24,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from glmjax.parallel.rules import batch_spec, logical_spec, num_batch_shards
+from glmjax.parallel.rules import batch_spec, logical_spec, num_batch_shards, sequence_axes
 
 
 def _is_var(x) -> bool:
@@ -104,7 +105,7 @@ def init_opt_state(tx, params, mesh):
 
 
 def batch_sharding(mesh, rules: Mapping[str, Any] | None = None) -> NamedSharding:
-    """Sharding of every [B, ...] batch array: B split over the batch axes (data, fsdp, expert)."""
+    """Sharding of every [B, S, ...] batch array: B split over the batch axes (data, fsdp, expert), S over context."""
     return NamedSharding(mesh, batch_spec(mesh, rules))
 
 
@@ -116,9 +117,13 @@ def global_batch(local, mesh, global_batch_size: int, rules: Mapping[str, Any] |
         raise ValueError(f"global batch {global_batch_size} is not divisible by the {shards} batch shards of mesh "
                          f"{dict(mesh.shape)} (batch axes {batch_spec(mesh, rules)})")
     sharding = batch_sharding(mesh, rules)
+    seq = math.prod(dict(mesh.shape)[a] for a in sequence_axes(mesh, rules))
 
     def one(x):
         x = np.asarray(x)
+        if seq > 1 and (x.ndim < 2 or x.shape[1] % seq):
+            raise ValueError(f"batch array of shape {x.shape}: its sequence length must be divisible by the {seq} "
+                             f"context shards of mesh {dict(mesh.shape)}")
         return jax.make_array_from_process_local_data(sharding, x, (global_batch_size,) + x.shape[1:])
 
     return jax.tree.map(one, local)

@@ -45,7 +45,8 @@ def lower_train_step(cfg: ModelConfig, optim_cfg, mesh, batch: int, seq: int, *,
                      mode: str = "sparse", index_loss_weight: float = 1.0, bias_rate: float = 1e-3):
     """-> jax.stages.Lowered of the trainer's sharded train step of `stage` on abstract inputs (by default the
     sparse adaptation stage: every parameter trains, the most memory), batch [batch, seq] split over the batch
-    axes."""
+    axes (and seq over context). With attention_impl="pallas" the kernels are compiled by Mosaic inside shard_map
+    (glmjax/model/backends.py)."""
     trainable = TRAINABLE[STAGES[stage].trainable]
     graphdef, abs_params, abs_rest = nnx.split(nnx.eval_shape(lambda: GLM(cfg, nnx.Rngs(0))), trainable, ...)
     params = abstract(abs_params, state_shardings(abs_params, mesh))
