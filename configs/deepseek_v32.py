@@ -49,5 +49,5 @@ def get_config():
     c.train = default_train_config(seq_len=4096, batch_size=256, steps=10000,
                                    mode="sparse", log_every=10, eval_every=500, eval_batches=8)
     c.data = default_data_config()  # None path: the embedded stdlib corpus
-    c.parallel = default_parallel_config()  # mesh: data=-1 (all devices) x fsdp x expert x tensor
+    c.parallel = default_parallel_config()  # mesh: data=-1 (all devices) x fsdp x expert x context x tensor
     return experiment_fields(c)  # stage: pretrain

@@ -23,5 +23,5 @@ def get_config():
     c.train = default_train_config(seq_len=128, batch_size=8, steps=300,
                                    mode="sparse", log_every=10, eval_every=100, eval_batches=4)
     c.data = default_data_config()  # None path: the embedded stdlib corpus
-    c.parallel = default_parallel_config()  # mesh: data=-1 (all devices) x fsdp x expert x tensor
+    c.parallel = default_parallel_config()  # mesh: data=-1 (all devices) x fsdp x expert x context x tensor
     return experiment_fields(c)  # stage: pretrain

@@ -200,6 +200,16 @@ def test_invalid_train_config_names_the_field(field, value):
         validate_train_config(c.train, ModelConfig.from_dict(c.model))
 
 
+def test_seq_len_not_divisible_by_the_context_axis_is_refused_up_front():
+    from glmjax.train.loop import check_config
+    c = load("tiny")
+    c.parallel.context = 3
+    with pytest.raises(ConfigError, match=r"train\.seq_len=128: must be a multiple of parallel\.context=3"):
+        check_config(c)
+    c.parallel.context = 4
+    check_config(c)
+
+
 @pytest.mark.parametrize("field,value", [("warmup_steps", 300), ("lr", 0.0), ("name", "sgd"), ("b2", 1.0)])
 def test_invalid_optim_config_names_the_field(field, value):
     from glmjax.optim import validate_optim_config

@@ -94,6 +94,10 @@ def check_config(config, init_exists: bool = True):
     validate_train_config(config.train, cfg)
     validate_stage(config, cfg)
     validate_optim_config({**config.optim.to_dict(), "total_steps": config.train.steps})
+    context = config.parallel.get("context", 1) if "parallel" in config else 1
+    if isinstance(context, int) and context > 1 and config.train.seq_len % context:
+        raise ConfigError(f"train.seq_len={config.train.seq_len}: must be a multiple of parallel.context={context} "
+                          "(each context shard holds an equal slice of the sequence)")
     if init_exists and config.init_from:
         if not os.path.exists(config.init_from):
             raise ConfigError(f"init_from={config.init_from!r}: no such directory")
