@@ -35,7 +35,10 @@ RUNS = (("pretrain", "dense"), ("pretrain", "sparse"), ("dense_warmup", "dense")
         ("indexshare", "sparse"))
 
 
-def bench_stage(config, stage: str, mode: str, batches, steps: int) -> float:
+def plain_jit_step(config, stage: str, mode: str):
+    """-> (the trainer's train step under a plain jax.jit on one device, its state (params, rest, opt_state)).
+    The state is committed to the device, as the step's outputs are: with uncommitted inputs (a fresh model,
+    optax's step counts) the second call would compile the step again."""
     model_cfg = dict(config.model)
     cfg0 = ModelConfig.from_dict(model_cfg)
     if stage != "indexshare":  # the non-IndexShare stages run with an indexer on every layer
@@ -43,8 +46,12 @@ def bench_stage(config, stage: str, mode: str, batches, steps: int) -> float:
     cfg = ModelConfig.from_dict(model_cfg)
     graphdef, params, rest = split_model(GLM(cfg, nnx.Rngs(0)), STAGES[stage].trainable)
     tx, _ = make_optimizer(params, config.optim, 1000, cfg)
-    opt_state = tx.init(params)
-    step_fn = make_train_step(graphdef, tx, stage, mode, config.train.bias_update_rate)
+    state = jax.device_put((params, rest, tx.init(params)), jax.devices()[0])
+    return make_train_step(graphdef, tx, stage, mode, config.train.bias_update_rate), state
+
+
+def bench_stage(config, stage: str, mode: str, batches, steps: int) -> float:
+    step_fn, (params, rest, opt_state) = plain_jit_step(config, stage, mode)
     times = []
     for i in range(steps + 2):
         t0 = time.perf_counter()
