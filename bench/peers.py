@@ -83,6 +83,7 @@ class GlmjaxWorker:
         import jax
         from flax import nnx
 
+        from bench.stages import device_state
         from glmjax.infer import Decoder
         from glmjax.interop import load_hf
         from glmjax.optim.config import default_optim_config
@@ -95,8 +96,7 @@ class GlmjaxWorker:
         params, rest = jax.tree.map(lambda a: a.copy(), (params, rest))  # the step donates them; prefill keeps its own
         optim = default_optim_config(name="adamw", lr=1e-4, schedule="constant", warmup_steps=0)
         self.tx, _ = make_optimizer(params, optim, 1000, model.cfg)
-        # committed like the step's outputs (optax's step counts start uncommitted), so step 2 does not recompile
-        self.state = jax.device_put((params, rest, self.tx.init(params)), jax.devices()[0])
+        self.state = device_state(params, rest, self.tx)  # else step 2 compiles again (see device_state)
         self.step_fn = make_train_step(graphdef, self.tx, "pretrain", "sparse", 1e-3)
         self.step = 0
         self.nnx = nnx

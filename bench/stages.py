@@ -35,10 +35,15 @@ RUNS = (("pretrain", "dense"), ("pretrain", "sparse"), ("dense_warmup", "dense")
         ("indexshare", "sparse"))
 
 
+def device_state(params, rest, tx):
+    """(params, rest, tx.init(params)) committed to the first device, as a jitted step's outputs are. A mix of
+    committed arrays (a model from `load_hf` or `jax.device_put`) and uncommitted ones (optax's fresh step counts)
+    makes a plain-jit step compile again at its second call, when every input is one of its own outputs."""
+    return jax.device_put((params, rest, tx.init(params)), jax.devices()[0])
+
+
 def plain_jit_step(config, stage: str, mode: str):
-    """-> (the trainer's train step under a plain jax.jit on one device, its state (params, rest, opt_state)).
-    The state is committed to the device, as the step's outputs are: with uncommitted inputs (a fresh model,
-    optax's step counts) the second call would compile the step again."""
+    """-> (the trainer's train step under a plain jax.jit on one device, its state `device_state`)."""
     model_cfg = dict(config.model)
     cfg0 = ModelConfig.from_dict(model_cfg)
     if stage != "indexshare":  # the non-IndexShare stages run with an indexer on every layer
@@ -46,8 +51,7 @@ def plain_jit_step(config, stage: str, mode: str):
     cfg = ModelConfig.from_dict(model_cfg)
     graphdef, params, rest = split_model(GLM(cfg, nnx.Rngs(0)), STAGES[stage].trainable)
     tx, _ = make_optimizer(params, config.optim, 1000, cfg)
-    state = jax.device_put((params, rest, tx.init(params)), jax.devices()[0])
-    return make_train_step(graphdef, tx, stage, mode, config.train.bias_update_rate), state
+    return make_train_step(graphdef, tx, stage, mode, config.train.bias_update_rate), device_state(params, rest, tx)
 
 
 def bench_stage(config, stage: str, mode: str, batches, steps: int) -> float:
