@@ -281,8 +281,8 @@ def main(argv=None) -> int:
         print(f"round {rep}/{args.reps} done, load {os.getloadavg()[0]:.2f}", flush=True)
     load1 = os.getloadavg()[0]
     lines = [f"S = {args.check_len} logits: max |diff| {agree['forced_topk']:.1e} (transformers forced to glmjax's "
-             f"top-k), {agree['own_topk']:.1e} with each one's own top-k ({agree['rows_differ']:.1%} of rows "
-             f"differ, exact ties); load average (1 min) {load0:.2f} before, {load1:.2f} after; "
+             f"top-k), {agree['own_topk']:.1e} with each one's own top-k ({agree['rows_differ']:.1%} of layer-query "
+             f"rows select different keys); load average (1 min) {load0:.2f} before, {load1:.2f} after; "
              f"medians of {args.reps} interleaved rounds", "",
              "| | S | transformers (s) | glmjax (s) | transformers / glmjax |", "|---|---:|---:|---:|---:|"]
     results = {"agreement": agree, "load_before": load0, "load_after": load1, "reps": args.reps, "runs": {}}
