@@ -1,6 +1,7 @@
 """Nothing compiles again after the first step: the trainer's train step (mesh, explicit shardings), bench/stages.py's
-plain-jit step, and prefill / decode / generate. Counted with jax.monitoring's jaxpr -> MLIR lowering event, which
-fires on every compilation, persistent compilation cache hits included."""
+plain-jit step (also on a model committed to the device, as `load_hf` gives it), and prefill / decode / generate.
+Counted with jax.monitoring's jaxpr -> MLIR lowering event, which fires on every compilation, persistent
+compilation cache hits included."""
 import contextlib
 
 import jax
