@@ -35,7 +35,15 @@ RUNS = (("pretrain", "dense"), ("pretrain", "sparse"), ("dense_warmup", "dense")
         ("indexshare", "sparse"))
 
 
-def bench_stage(config, stage: str, mode: str, batches, steps: int) -> float:
+def device_state(params, rest, tx):
+    """(params, rest, tx.init(params)) committed to the first device, as a jitted step's outputs are. A mix of
+    committed arrays (a model from `load_hf` or `jax.device_put`) and uncommitted ones (optax's fresh step counts)
+    makes a plain-jit step compile again at its second call, when every input is one of its own outputs."""
+    return jax.device_put((params, rest, tx.init(params)), jax.devices()[0])
+
+
+def plain_jit_step(config, stage: str, mode: str):
+    """-> (the trainer's train step under a plain jax.jit on one device, its state `device_state`)."""
     model_cfg = dict(config.model)
     cfg0 = ModelConfig.from_dict(model_cfg)
     if stage != "indexshare":  # the non-IndexShare stages run with an indexer on every layer
@@ -43,8 +51,11 @@ def bench_stage(config, stage: str, mode: str, batches, steps: int) -> float:
     cfg = ModelConfig.from_dict(model_cfg)
     graphdef, params, rest = split_model(GLM(cfg, nnx.Rngs(0)), STAGES[stage].trainable)
     tx, _ = make_optimizer(params, config.optim, 1000, cfg)
-    opt_state = tx.init(params)
-    step_fn = make_train_step(graphdef, tx, stage, mode, config.train.bias_update_rate)
+    return make_train_step(graphdef, tx, stage, mode, config.train.bias_update_rate), device_state(params, rest, tx)
+
+
+def bench_stage(config, stage: str, mode: str, batches, steps: int) -> float:
+    step_fn, (params, rest, opt_state) = plain_jit_step(config, stage, mode)
     times = []
     for i in range(steps + 2):
         t0 = time.perf_counter()
