@@ -16,6 +16,7 @@ from flax import nnx
 
 from glmjax.config import ModelConfig
 from glmjax.model.blocks import from_blocks, to_blocks
+from glmjax.model.index_loss import streaming_index_kl
 from glmjax.model.indexer import index_kl
 from glmjax.model.layers import RMSNorm, dense, dtype_of, f32, normal_param, rope_tables
 from glmjax.model.mla import MLA, AttnStats, Ctx
@@ -129,7 +130,10 @@ class Unit(nnx.Module):
 def unit_index_loss(stats: list[AttnStats], ctx: Ctx):
     """The unit's full layer (stats[0]) distils its indexer toward the mean attention distribution of every layer it
     serves (itself and the shared layers after it: docs/model.md E.4; a lone full layer is E.2 / E.3) -> (sum of KL, queries
-    counted)."""
+    counted). Blocked dense attention streams the KL over key blocks (`streaming_index_kl`, no [B,S,T])."""
+    if stats[0].attn_target is not None:
+        return streaming_index_kl([st.attn_target for st in stats], *stats[0].index_qkw, ctx.segment_ids,
+                                  ctx.segment_ids > 0)
     target = jnp.mean(jnp.stack([st.attn_p for st in stats]), axis=0)
     return index_kl(target, stats[0].index_logits, ctx.segment_ids > 0)
 
