@@ -18,12 +18,19 @@ BLOCK = 8
 
 
 def rand(key, shape, scale=1.0):
-    return jax.random.normal(jax.random.key(key), shape, jnp.float32) * scale
+    """Normal samples made by numpy: no eager JAX op (each would compile)."""
+    return jnp.asarray(np.random.default_rng(key).normal(0.0, scale, shape), jnp.float32)
+
+
+def np_visible(seg):
+    """[B,S,S] causal same-segment mask in numpy."""
+    seg, t = np.asarray(seg), np.arange(seg.shape[1])
+    return (t[None, None, :] <= t[None, :, None]) & (seg[:, :, None] == seg[:, None, :])
 
 
 def packed_segments():
     """Row 0: documents of 3 (ends inside the first key block), 20 and 14 tokens; row 1: 30 tokens + 7 padding."""
-    return jnp.asarray(np.array([[1] * 3 + [2] * 20 + [3] * 14, [1] * 30 + [0] * 7]), jnp.int32)
+    return np.array([[1] * 3 + [2] * 20 + [3] * 14, [1] * 30 + [0] * 7], np.int32)
 
 
 def test_blocked_mla_equals_the_materialised_reference_with_gradients():
@@ -47,7 +54,7 @@ def test_blocked_mla_equals_the_materialised_reference_with_gradients():
     # the per-head lse the streamed losses use: log of the softmax normaliser, naively in numpy
     q, k = (np.asarray(a, np.float64) for a in (target.q, target.k))
     s = np.einsum("bshd,bthd->bsht", q, k) * 0.7
-    s = np.where(np.asarray(visible(seg, seg, jnp.arange(S)))[:, :, None, :], s, -np.inf)
+    s = np.where(np_visible(seg)[:, :, None, :], s, -np.inf)
     m = s.max(-1, keepdims=True)
     np.testing.assert_allclose(target.lse, (m + np.log(np.exp(s - m).sum(-1, keepdims=True)))[..., 0], atol=1e-5)
 
@@ -62,8 +69,8 @@ def test_blocked_absorbed_cached_attention_equals_the_materialised_reference():
     latent, kv_valid = rand(7, (B, T, C)), jnp.asarray(kv_valid)
     for S, start in ((13, (16, 27)), (1, (28, 39))):
         q_abs, ct = rand(8 + S, (B, S, H, C)), rand(9 + S, (B, S, H, R))
-        q_seg = jnp.ones((B, S), jnp.int32)
-        q_idx = jnp.asarray(start)[:, None] + jnp.arange(S)[None]
+        q_seg = np.ones((B, S), np.int32)
+        q_idx = np.asarray(start)[:, None] + np.arange(S)[None]
 
         @jax.jit
         def both(q, kv):
@@ -83,18 +90,18 @@ def test_block_skip_is_exact_at_block_granularity():
     the first key block (row 0) must keep block 0 for its queries in block 2, a causal future block is skipped, and
     so is a block of another document entirely."""
     seg = packed_segments()
-    idx = jnp.broadcast_to(jnp.arange(37), (2, 37))
-    vis = np.asarray(visible(seg, seg, jnp.arange(37)))
+    idx = np.broadcast_to(np.arange(37), (2, 37))
+    vis = np_visible(seg)
     need = jax.jit(block_needed)
     blk = lambda a, i: a[:, i * BLOCK:(i + 1) * BLOCK]  # noqa: E731
     for qi in range(4):  # whole blocks
         for ki in range(4):
             any_visible = vis[:, qi * BLOCK:(qi + 1) * BLOCK, ki * BLOCK:(ki + 1) * BLOCK].any()
             assert bool(need(blk(seg, qi), blk(idx, qi), blk(seg, ki), ki * BLOCK)) >= any_visible, (qi, ki)
-    one_doc = lambda n: jnp.asarray([[1] * n + [2] * (16 - n)], jnp.int32)  # noqa: E731
-    assert bool(block_needed(one_doc(3)[:, 8:], jnp.arange(8, 16)[None], one_doc(3)[:, :8], 0))  # doc 2 from slot 3
-    assert not bool(block_needed(one_doc(8)[:, 8:], jnp.arange(8, 16)[None], one_doc(8)[:, :8], 0))  # other doc
-    assert not bool(block_needed(one_doc(3)[:, :8], jnp.arange(8)[None], one_doc(3)[:, 8:], 8))  # causal future
+    one_doc = lambda n: np.asarray([[1] * n + [2] * (16 - n)], np.int32)  # noqa: E731
+    assert bool(need(one_doc(3)[:, 8:], np.arange(8, 16)[None], one_doc(3)[:, :8], 0))  # doc 2 from slot 3
+    assert not bool(need(one_doc(8)[:, 8:], np.arange(8, 16)[None], one_doc(8)[:, :8], 0))  # another document
+    assert not bool(need(one_doc(3)[:, :8], np.arange(8)[None], one_doc(3)[:, 8:], 8))  # causal future
 
 
 @pytest.mark.parametrize("mode", ["dense", "sparse"])

@@ -13,7 +13,8 @@ key are skipped (`flash_attention.block_needed`).
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -24,8 +25,11 @@ from glmjax.model.indexer import index_logits
 from glmjax.model.layers import f32
 
 
-class DenseTarget(NamedTuple):
-    """One layer's dense attention, enough to recompute its probabilities block by block (no gradient)."""
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["q", "k", "lse"], meta_fields=["scale", "block"])
+@dataclasses.dataclass(frozen=True)
+class DenseTarget:
+    """One layer's dense attention, enough to recompute its probabilities block by block (no gradient); a pytree
+    whose scale and block are static."""
     q: jax.Array  # [B,S,H,d] queries (RoPE applied; nope and rope parts concatenated)
     k: jax.Array  # [B,T,H,d] per-head keys, or [B,T,d] keys shared by the heads
     lse: jax.Array  # [B,S,H] f32 log-sum-exp of the scaled scores over the visible keys (-inf: none)
