@@ -25,8 +25,9 @@ def rand(key, shape, scale=1.0):
 
 
 def packed_segments():
-    """Row 0: documents of 3 (ends inside the first key block), 20 and 14 tokens; row 1: 30 tokens + 7 padding."""
-    return np.array([[1] * 3 + [2] * 20 + [3] * 14, [1] * 30 + [0] * 7], np.int32)
+    """Row 0: documents of 3, 20 and 14 tokens; row 1: 5 and 25 tokens + 7 padding. In both rows the second document
+    starts inside the first key block (a block skip that looks at a block's first key only drops its keys)."""
+    return np.array([[1] * 3 + [2] * 20 + [3] * 14, [1] * 5 + [2] * 25 + [0] * 7], np.int32)
 
 
 def mla_inputs(seed):

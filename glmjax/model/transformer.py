@@ -286,7 +286,8 @@ class GLM(nnx.Module):
 
     def mtp_losses(self, batch: Batch, h, mode: str, index_loss: bool = False):
         """Per-depth CE [mtp_depth] and the MTP layer's Aux per depth (e.g. expert_load [D_mtp, E]). Depth k at slot i
-        embeds t_{i+k} and predicts t_{i+k+1}, inside the same document."""
+        embeds t_{i+k} and predicts t_{i+k+1}, inside the same document. The depth loop is rematerialised with
+        `model.remat`, like the layer stacks."""
         cfg, dt = self.cfg, dtype_of(self.cfg.dtype)
         ctx = self.ctx(batch, mode, index_loss=index_loss)
         ks = range(1, cfg.mtp_depth + 1)
@@ -300,6 +301,8 @@ class GLM(nnx.Module):
             nll = token_nll(hk, self.lm_head[...], tgt, cfg.loss_chunk)
             return hk, (jnp.sum(nll * ok) / jnp.maximum(jnp.sum(ok), 1.0), aux)
 
+        if cfg.remat != "none":  # like the trunk's layers: a depth's activations are recomputed in the backward pass
+            depth = jax.checkpoint(depth, policy=REMAT[cfg.remat], prevent_cse=False)
         _, (losses, aux) = jax.lax.scan(depth, h, (emb_tokens, jnp.stack(targets), jnp.stack(valid)))
         return losses, aux
 
