@@ -11,7 +11,8 @@ from helpers import random_batch, tiny
 import glmjax.model.mla as mla
 from glmjax.model import GLM
 from glmjax.model.index_loss import streaming_attention_topk, streaming_index_kl
-from glmjax.model.indexer import Indexer, gathered_index_logits, index_kl, index_scores, index_topk, masked_topk, visible
+from glmjax.model.indexer import (Indexer, gathered_index_logits, index_kl, index_scores, index_topk, masked_topk,
+                                  visible)
 from glmjax.model.layers import rope_tables
 from glmjax.model.sparse_attention import sparse_attention_probs, sparse_mla_xla
 
