@@ -1,7 +1,8 @@
 """Multi-head latent attention (docs/model.md B.4) with DeepSeek Sparse Attention (B.6-B.8).
 
 mode "dense":  plain causal MLA with per-head keys/values expanded from the latent (training, dense warm-up);
-               against a cache (prefill / decode), absorbed attention over every visible cache row.
+               against a cache (prefill / decode), absorbed attention over every visible cache row. Key ranges
+               past a size run blocked (flash_attention.py, O(S) memory; the cost rule `materialise`).
 mode "sparse": the layer's indexer (or, on an IndexShare "shared" layer, the previous full layer's indices)
                selects k keys per query; attention gathers those k rows of the 576-d latent cache in MQA form.
 """
@@ -15,6 +16,8 @@ from flax import nnx
 
 from glmjax.config import ModelConfig
 from glmjax.model.backends import BACKENDS, Backend
+from glmjax.model.flash_attention import flash_attention
+from glmjax.model.index_loss import DenseTarget, dense_target, streaming_attention_topk
 from glmjax.model.indexer import Indexer, index_scores, index_topk, masked_topk, visible
 from glmjax.model.layers import RMSNorm, apply_rope, dense, dtype_of, f32, normal_param
 from glmjax.model.sparse_attention import sparse_attention_probs
@@ -35,13 +38,16 @@ class Ctx(NamedTuple):
 
 
 class AttnStats(NamedTuple):
-    """What an attention layer reports besides its output; None where its mode and the Ctx flags produce nothing."""
+    """What an attention layer reports besides its output; None where its mode and the Ctx flags produce nothing.
+    With ctx.index_loss a layer reports its indexer-loss inputs either materialised (attn_p, index_logits: sparse
+    mode, and dense mode while `materialise`) or in the streamed form (attn_target, index_qkw: blocked dense)."""
     max_logit: jax.Array | None = None  # () largest attention logit, no gradient (dense training)
-    attn_p: jax.Array | None = None  # ctx.index_loss: head-mean attention probabilities, no gradient, [B,S,T]
-    #                                  dense, [B,S,k] over the selected keys sparse
-    index_logits: jax.Array | None = None  # ctx.index_loss, full layers: index scores of the same keys, differentiable
-    attn_topk: jax.Array | None = None  # ctx.topk_stats (dense): [B,S,k] top-k keys of attn_p
+    attn_p: jax.Array | None = None  # head-mean attention probabilities, no gradient, [B,S,T] dense, [B,S,k] sparse
+    index_logits: jax.Array | None = None  # full layers: index scores of the same keys, differentiable
+    attn_topk: jax.Array | None = None  # ctx.topk_stats (dense): [B,S,k] top-k keys of the head-mean attention
     index_topk: jax.Array | None = None  # ctx.topk_stats (dense), full layers: [B,S,k] the indexer's top-k
+    attn_target: DenseTarget | None = None  # dense, streamed: the attention to recompute per key block
+    index_qkw: tuple | None = None  # dense, streamed, full layers: the indexer's (q, k, w), differentiable
 
 
 class Projected(NamedTuple):
@@ -102,20 +108,33 @@ class MLA(nnx.Module):
         return Projected(q_resid, q[..., :d_n], q_pe, c_kv, k_pe, w_kv[..., :d_n], w_kv[..., d_n:])
 
     def dense_training(self, x, p: Projected, ctx: Ctx):
-        """Causal MLA over this sequence with per-head keys/values -> o [B,S,H,d_v], AttnStats (max_logit; attn_p
-        and index_logits with ctx.index_loss; attn_topk and index_topk with ctx.topk_stats)."""
+        """Causal MLA over this sequence with per-head keys/values -> o [B,S,H,d_v], AttnStats (max_logit; with
+        ctx.index_loss attn_p and index_logits, or (blocked) attn_target and index_qkw; attn_topk and
+        index_topk with ctx.topk_stats). Materialised while `materialise`, else blocked (flash)."""
         cfg, seg = self.cfg, ctx.segment_ids
-        o, max_logit, attn_p = dense_mla(p.q_nope, p.q_pe, p.c_kv, p.k_pe, p.w_uk, p.w_uv, seg, cfg.softmax_scale)
+        args = (p.q_nope, p.q_pe, p.c_kv, p.k_pe, p.w_uk, p.w_uv, seg, cfg.softmax_scale)
+        B, S, H = p.q_nope.shape[:3]
+        blocked = not materialise(B, H, S, S)
+        if blocked:
+            o, max_logit, target = dense_mla_blocked(*args, cfg.block_q)
+        else:
+            o, max_logit, attn_p = dense_mla(*args)
         if not (ctx.index_loss or ctx.topk_stats):
             return o, AttnStats(max_logit)
         qkw = None if self.indexer is None else self.indexer(x, p.q_resid, ctx.cos, ctx.sin)
         stats = AttnStats(max_logit)
-        if ctx.index_loss:
+        if ctx.index_loss and blocked:
+            stats = stats._replace(attn_target=target, index_qkw=qkw)
+        elif ctx.index_loss:
             stats = stats._replace(attn_p=attn_p, index_logits=None if qkw is None else index_scores(*qkw, seg, seg))
         if ctx.topk_stats:
-            vis = visible(seg, seg, jnp.arange(x.shape[1]))
+            if blocked:
+                attn_topk = streaming_attention_topk(target, seg, cfg.index_topk)
+            else:
+                attn_topk = masked_topk(jnp.where(visible(seg, seg, jnp.arange(x.shape[1])), attn_p, -jnp.inf),
+                                        cfg.index_topk)
             stats = stats._replace(
-                attn_topk=masked_topk(jnp.where(vis, attn_p, -jnp.inf), cfg.index_topk),
+                attn_topk=attn_topk,
                 index_topk=None if qkw is None else index_topk(*qkw, seg, seg, cfg.index_topk, cfg.block_q)[0])
         return o, stats
 
@@ -124,9 +143,15 @@ class MLA(nnx.Module):
         return jnp.concatenate([jnp.einsum("bshd,chd->bshc", p.q_nope, p.w_uk), p.q_pe], axis=-1)
 
     def dense_cached(self, p: Projected, ctx: Ctx, latent):
-        """Absorbed attention over every visible row of the cache latent [B,T,576] -> o [B,S,H,d_v]."""
-        vis = visible(ctx.segment_ids, ctx.kv_valid, ctx.q_idx)
-        o_lat = dense_mla_absorbed(self.absorbed_queries(p), latent, vis, self.cfg.softmax_scale, self.cfg.kv_lora_rank)
+        """Absorbed attention over every visible row of the cache latent [B,T,576] -> o [B,S,H,d_v]; materialised
+        while `materialise`, else blocked (flash, MQA form)."""
+        cfg, q_abs = self.cfg, self.absorbed_queries(p)
+        if materialise(*q_abs.shape[:3], latent.shape[1]):
+            vis = visible(ctx.segment_ids, ctx.kv_valid, ctx.q_idx)
+            o_lat = dense_mla_absorbed(q_abs, latent, vis, cfg.softmax_scale, cfg.kv_lora_rank)
+        else:
+            o_lat = dense_mla_absorbed_blocked(q_abs, latent, ctx.segment_ids, ctx.kv_valid, ctx.q_idx,
+                                               cfg.softmax_scale, cfg.kv_lora_rank, cfg.block_q)
         return jnp.einsum("bshc,chv->bshv", o_lat, p.w_uv)
 
     def sparse(self, x, p: Projected, ctx: Ctx, latent, topk, cache):
@@ -158,16 +183,55 @@ def write_rows(cache, rows, start):
     return jax.vmap(lambda c, r, s: jax.lax.dynamic_update_slice_in_dim(c, r.astype(c.dtype), s, 0))(cache, rows, start)
 
 
+MATERIALISE_MAX_SCORES = 2 ** 24  # [B,H,S,T] scores (64 MiB in f32) up to which dense attention materialises them
+
+
+def materialise(B: int, H: int, S: int, T: int) -> bool:
+    """The cost rule of dense attention: while the [B,H,S,T] scores stay small (<= MATERIALISE_MAX_SCORES) the
+    materialised path (exact, one fused softmax, the fastest at short lengths; every test-size model and the tiny
+    recipe), beyond it the blocked (flash) path in blocks of `model.block_q`, O(S) memory. GLM-5 (H 64, batch 1):
+    materialised up to S = T = 512 in training, decode (S = 1) up to T = 262,144."""
+    return B * H * S * T <= MATERIALISE_MAX_SCORES
+
+
 def dense_mla_absorbed(q_abs, latent, vis, scale, r_kv):
-    """MQA-form attention of absorbed queries [B,S,H,576] over all visible latent rows [B,T,576] -> [B,S,H,r_kv]."""
+    """MQA-form attention of absorbed queries [B,S,H,576] over all visible latent rows [B,T,576] -> [B,S,H,r_kv].
+    Builds [B,H,S,T]: the materialised reference of `dense_mla_absorbed_blocked`."""
     s = jnp.einsum("bshc,btc->bhst", q_abs, latent, preferred_element_type=f32) * scale
     p = jax.nn.softmax(jnp.where(vis[:, None], s, -jnp.inf), axis=-1)
     return jnp.einsum("bhst,btr->bshr", p.astype(latent.dtype), latent[..., :r_kv])
 
 
+def dense_mla_absorbed_blocked(q_abs, latent, q_seg, kv_valid, q_idx, scale, r_kv, block: int):
+    """`dense_mla_absorbed` with the visibility of `visible(q_seg, kv_valid, q_idx)` by flash attention: the latent
+    rows are the keys and their first r_kv columns the values, shared by the heads -> [B,S,H,r_kv]."""
+    q_idx = jnp.broadcast_to(q_idx, q_seg.shape)
+    return flash_attention(q_abs, latent, latent[..., :r_kv], q_seg, kv_valid, q_idx, scale, block, block)[0]
+
+
+def expand_kv(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv):
+    """Per-head queries [q_nope | q_pe] [B,S,H,d_n+d_r], keys [k_nope | k_pe] [B,T,H,d_n+d_r] (k_pe broadcast over
+    heads) and values [B,T,H,d_v] from the latent (docs/model.md B.4 steps 7-8)."""
+    k_nope = jnp.einsum("btc,chd->bthd", c_kv, w_uk)
+    v = jnp.einsum("btc,chv->bthv", c_kv, w_uv)
+    k_pe = jnp.broadcast_to(k_pe[:, :, None, :], k_nope.shape[:3] + k_pe.shape[-1:]).astype(k_nope.dtype)
+    return jnp.concatenate([q_nope, q_pe], axis=-1), jnp.concatenate([k_nope, k_pe], axis=-1), v
+
+
+def dense_mla_blocked(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, segment_ids, scale, block: int):
+    """`dense_mla` by flash attention in query and key blocks of `block`, O(S) memory forward and backward
+    -> out [B,S,H,d_v], max logit (scalar, no gradient), DenseTarget (what the streamed indexer loss and top-k
+    recompute the head-mean probabilities from)."""
+    q, k, v = expand_kv(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv)
+    q_idx = jnp.broadcast_to(jnp.arange(q.shape[1], dtype=jnp.int32), segment_ids.shape)
+    out, lse, row_max = flash_attention(q, k, v, segment_ids, segment_ids, q_idx, scale, block, block)
+    return out, jax.lax.stop_gradient(jnp.max(row_max)), dense_target(q, k, lse, scale, block)
+
+
 def dense_mla(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, segment_ids, scale):
     """Causal MLA with keys/values expanded per head -> out [B,S,H,d_v], max logit (scalar, no gradient), head-mean
-    probabilities [B,S,T] (no gradient; unused outputs cost nothing under jit). Builds [B,H,S,T]: the dense baseline."""
+    probabilities [B,S,T] (no gradient; unused outputs cost nothing under jit). Builds [B,H,S,T]: the materialised
+    path and the reference of `dense_mla_blocked`."""
     k_nope = jnp.einsum("btc,chd->bthd", c_kv, w_uk)
     v = jnp.einsum("btc,chv->bthv", c_kv, w_uv)
     logits = jnp.einsum("bshd,bthd->bhst", q_nope, k_nope, preferred_element_type=f32)

@@ -16,6 +16,7 @@ from flax import nnx
 
 from glmjax.config import ModelConfig
 from glmjax.model.blocks import from_blocks, to_blocks
+from glmjax.model.index_loss import streaming_index_kl
 from glmjax.model.indexer import index_kl
 from glmjax.model.layers import RMSNorm, dense, dtype_of, f32, normal_param, rope_tables
 from glmjax.model.mla import MLA, AttnStats, Ctx
@@ -129,7 +130,10 @@ class Unit(nnx.Module):
 def unit_index_loss(stats: list[AttnStats], ctx: Ctx):
     """The unit's full layer (stats[0]) distils its indexer toward the mean attention distribution of every layer it
     serves (itself and the shared layers after it: docs/model.md E.4; a lone full layer is E.2 / E.3) -> (sum of KL, queries
-    counted)."""
+    counted). Blocked dense attention streams the KL over key blocks (`streaming_index_kl`, no [B,S,T])."""
+    if stats[0].attn_target is not None:
+        return streaming_index_kl([st.attn_target for st in stats], *stats[0].index_qkw, ctx.segment_ids,
+                                  ctx.segment_ids > 0)
     target = jnp.mean(jnp.stack([st.attn_p for st in stats]), axis=0)
     return index_kl(target, stats[0].index_logits, ctx.segment_ids > 0)
 
@@ -282,7 +286,8 @@ class GLM(nnx.Module):
 
     def mtp_losses(self, batch: Batch, h, mode: str, index_loss: bool = False):
         """Per-depth CE [mtp_depth] and the MTP layer's Aux per depth (e.g. expert_load [D_mtp, E]). Depth k at slot i
-        embeds t_{i+k} and predicts t_{i+k+1}, inside the same document."""
+        embeds t_{i+k} and predicts t_{i+k+1}, inside the same document. The depth loop is rematerialised with
+        `model.remat`, like the layer stacks."""
         cfg, dt = self.cfg, dtype_of(self.cfg.dtype)
         ctx = self.ctx(batch, mode, index_loss=index_loss)
         ks = range(1, cfg.mtp_depth + 1)
@@ -296,6 +301,8 @@ class GLM(nnx.Module):
             nll = token_nll(hk, self.lm_head[...], tgt, cfg.loss_chunk)
             return hk, (jnp.sum(nll * ok) / jnp.maximum(jnp.sum(ok), 1.0), aux)
 
+        if cfg.remat != "none":  # like the trunk's layers: a depth's activations are recomputed in the backward pass
+            depth = jax.checkpoint(depth, policy=REMAT[cfg.remat], prevent_cse=False)
         _, (losses, aux) = jax.lax.scan(depth, h, (emb_tokens, jnp.stack(targets), jnp.stack(valid)))
         return losses, aux
 

@@ -1,0 +1,159 @@
+"""Blocked attention with an online softmax ("flash attention") in XLA: O(S) memory forward and backward.
+
+Queries run in blocks of `block_q` (a `lax.map`), keys in blocks of `block_k` (a `lax.scan` carrying the running
+row max m, the running sum l and the unnormalised output); only [B, block_q, H, block_k] scores are live at a time.
+A `jax.custom_vjp` backward recomputes the score blocks from q, k and the saved per-row log-sum-exp, so neither
+pass stores [B,H,S,T]. A (query block, key block) pair with no visible key is skipped (`lax.cond`): causally
+(its first key slot is after the block's last query slot) or by segments (their id ranges do not intersect).
+
+Visibility is the one of `glmjax.model.indexer.visible`: key slot t is visible to a query at slot q_idx iff
+t <= q_idx and the query's segment id equals the key's (training: q_idx = arange(S), k_seg = q_seg; against a
+cache: k_seg = kv_valid). Keys may be per head ([B,T,H,d], the MLA training form) or shared by all heads
+([B,T,d], the absorbed MQA form over the latent).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from glmjax.model.blocks import from_blocks, to_blocks
+from glmjax.model.layers import f32
+
+
+def flash_attention(q, k, v, q_seg, k_seg, q_idx, scale: float, block_q: int, block_k: int):
+    """q [B,S,H,d], k [B,T,H,d] or [B,T,d], v [B,T,H,e] or [B,T,e] (same form as k), q_seg [B,S], k_seg [B,T],
+    q_idx [B,S] key slot of each query (every q_idx < T) -> (out [B,S,H,e] in v's dtype, lse [B,S,H] f32, row max
+    logit [B,S,H] f32). lse and the row max are -inf for a query with no visible key (its output is 0) and carry
+    no gradient; out is differentiable in q, k, v."""
+    if k.ndim != v.ndim or k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"flash_attention: k {k.shape} and v {v.shape} must both be [B,T,H,.] or [B,T,.]")
+    S, T = q.shape[1], k.shape[1]
+    bq, bk = min(block_q, S), min(block_k, T)
+    out, lse, row_max = _flash(q, k, v, q_seg.astype(jnp.int32), k_seg.astype(jnp.int32), q_idx.astype(jnp.int32),
+                               float(scale), bq, bk)
+    return out, jax.lax.stop_gradient(lse), jax.lax.stop_gradient(row_max)
+
+
+def _specs(k) -> dict:
+    """einsum subscripts for per-head keys/values (k [B,T,H,d]) or keys/values shared by the heads (k [B,T,d])."""
+    kd, ve = ("bkhd", "bkhe") if k.ndim == 4 else ("bkd", "bke")
+    return {"s": f"bqhd,{kd}->bqhk", "pv": f"bqhk,{ve}->bqhe", "dv": f"bqhk,bqhe->{ve}", "dp": f"bqhe,{ve}->bqhk",
+            "dq": f"bqhk,{kd}->bqhd", "dk": f"bqhk,bqhd->{kd}"}
+
+
+def block_visible(seg_q, idx_q, seg_k, t0, bk):
+    """[B,bq,bk] bool for query block (seg_q, idx_q [B,bq]) against the key block starting at slot t0."""
+    t = t0 + jnp.arange(bk)
+    return (t[None, None, :] <= idx_q[:, :, None]) & (seg_q[:, :, None] == seg_k[:, None, :])
+
+
+def block_needed(seg_q, idx_q, seg_k, t0):
+    """Scalar bool: may any query of the block see any key of the key block starting at t0 (conservative)?"""
+    causal = t0 <= jnp.max(idx_q)
+    overlap = (jnp.min(seg_q, axis=1) <= jnp.max(seg_k, axis=1)) & (jnp.min(seg_k, axis=1) <= jnp.max(seg_q, axis=1))
+    return causal & jnp.any(overlap)
+
+
+def _pad_queries(q_seg, q_idx, bq):
+    """Query blocks of seg / slot, padded rows at slot -1 (they see no key)."""
+    return to_blocks(q_seg, bq), to_blocks(q_idx, bq, -1)
+
+
+def _scores(qb, kb, vis, scale):
+    s = jnp.einsum(_specs(kb)["s"], qb, kb, preferred_element_type=f32) * scale
+    return jnp.where(vis[:, :, None, :], s, -jnp.inf)  # [B,bq,H,bk]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _flash(q, k, v, q_seg, k_seg, q_idx, scale, bq, bk):
+    return _forward(q, k, v, q_seg, k_seg, q_idx, scale, bq, bk)
+
+
+def _forward(q, k, v, q_seg, k_seg, q_idx, scale, bq, bk):
+    B, S, H = q.shape[:3]
+    e = v.shape[-1]
+    pv = _specs(k)["pv"]
+    kb_all, vb_all, sk_all = to_blocks(k, bk), to_blocks(v, bk), to_blocks(k_seg, bk)
+    starts = jnp.arange(kb_all.shape[0]) * bk
+
+    def query_block(args):
+        qb, sq, iq = args
+
+        def step(carry, xs):
+            kb, vb, sk, t0 = xs
+
+            def update(carry):
+                m, l, acc = carry
+                s = _scores(qb, kb, block_visible(sq, iq, sk, t0, bk), scale)
+                m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+                m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+                p = jnp.exp(s - m_safe[..., None])
+                alpha = jnp.exp(m - m_safe)
+                acc = acc * alpha[..., None] + jnp.einsum(pv, p.astype(v.dtype), vb, preferred_element_type=f32)
+                return m_new, l * alpha + jnp.sum(p, axis=-1), acc
+
+            return jax.lax.cond(block_needed(sq, iq, sk, t0), update, lambda c: c, carry), None
+
+        init = (jnp.full((B, bq, H), -jnp.inf, f32), jnp.zeros((B, bq, H), f32), jnp.zeros((B, bq, H, e), f32))
+        (m, l, acc), _ = jax.lax.scan(step, init, (kb_all, vb_all, sk_all, starts))
+        out = (acc / jnp.where(l > 0, l, 1.0)[..., None]).astype(v.dtype)
+        lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+        return out, lse, m
+
+    sq_all, iq_all = _pad_queries(q_seg, q_idx, bq)
+    outs = jax.lax.map(query_block, (to_blocks(q, bq), sq_all, iq_all))
+    return tuple(from_blocks(o, S) for o in outs)
+
+
+def _flash_fwd(q, k, v, q_seg, k_seg, q_idx, scale, bq, bk):
+    out, lse, m = _forward(q, k, v, q_seg, k_seg, q_idx, scale, bq, bk)
+    return (out, lse, m), (q, k, v, q_seg, k_seg, q_idx, out, lse)
+
+
+def _flash_bwd(scale, bq, bk, res, cts):
+    """Outer scan over key blocks (dk, dv of the block accumulated over query blocks), inner scan over query blocks
+    (dq carried whole, updated one block at a time). p = exp(s - lse), ds = p (dp - rowsum(do * out)) * scale."""
+    q, k, v, q_seg, k_seg, q_idx, out, lse = res
+    do = cts[0]
+    S, T = q.shape[1], k.shape[1]
+    spec = _specs(k)
+    delta = jnp.sum(do.astype(f32) * out.astype(f32), axis=-1)  # [B,S,H]
+    sq_all, iq_all = _pad_queries(q_seg, q_idx, bq)
+    qb_all, dob_all = to_blocks(q, bq), to_blocks(do, bq)
+    lse_all, delta_all = to_blocks(lse, bq), to_blocks(delta, bq)
+    nq = qb_all.shape[0]
+    kb_all, vb_all, sk_all = to_blocks(k, bk), to_blocks(v, bk), to_blocks(k_seg, bk)
+
+    def key_block(dq, xs):
+        kb, vb, sk, t0 = xs
+
+        def q_step(carry, i):
+            def update(carry):
+                dq, dk, dv = carry
+                qb, dob, sq, iq = qb_all[i], dob_all[i], sq_all[i], iq_all[i]
+                vis = block_visible(sq, iq, sk, t0, bk)
+                s = _scores(qb, kb, vis, scale)
+                p = jnp.where(vis[:, :, None, :], jnp.exp(s - lse_all[i][..., None]), 0.0)
+                dv = dv + jnp.einsum(spec["dv"], p.astype(do.dtype), dob, preferred_element_type=f32)
+                dp = jnp.einsum(spec["dp"], dob, vb, preferred_element_type=f32)
+                ds = (p * (dp - delta_all[i][..., None]) * scale).astype(q.dtype)
+                dk = dk + jnp.einsum(spec["dk"], ds, qb, preferred_element_type=f32)
+                dq_i = jnp.einsum(spec["dq"], ds, kb, preferred_element_type=f32)
+                dq = jax.lax.dynamic_update_index_in_dim(dq, dq[i] + dq_i, i, 0)
+                return dq, dk, dv
+
+            return jax.lax.cond(block_needed(sq_all[i], iq_all[i], sk, t0), update, lambda c: c, carry), None
+
+        init = (dq, jnp.zeros(kb.shape, f32), jnp.zeros(vb.shape, f32))
+        (dq, dk, dv), _ = jax.lax.scan(q_step, init, jnp.arange(nq))
+        return dq, (dk, dv)
+
+    starts = jnp.arange(kb_all.shape[0]) * bk
+    dq, (dk, dv) = jax.lax.scan(key_block, jnp.zeros(qb_all.shape, f32), (kb_all, vb_all, sk_all, starts))
+    return (from_blocks(dq, S).astype(q.dtype), from_blocks(dk, T).astype(k.dtype), from_blocks(dv, T).astype(v.dtype),
+            None, None, None)
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
