@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 
-import ml_collections
 import numpy as np
 import pytest
 
@@ -23,21 +22,19 @@ transformers = pytest.importorskip("transformers")
 
 from hf_tokenizer_fixture import write_tokenizer  # noqa: E402
 
+from configs import ppo_prompts, sft_chat  # noqa: E402
 from glmjax.cli import generate as gen_cli  # noqa: E402
-from glmjax.data import default_data_config, make_pipeline  # noqa: E402
+from glmjax.data import make_pipeline  # noqa: E402
 from glmjax.data.hf_tokenizer import HFTokenizer  # noqa: E402
 from glmjax.interop import hf as hf_mod  # noqa: E402
 from glmjax.launch import run  # noqa: E402
-from glmjax.optim.config import default_optim_config  # noqa: E402
-from glmjax.parallel import default_parallel_config  # noqa: E402
-from glmjax.rl.config import default_ppo_config  # noqa: E402
-from glmjax.train.config import default_train_config, experiment_fields  # noqa: E402
 
 SEED = int(os.environ.get("GLMJAX_WALKTHROUGH_SEED", "0"))  # the test runs seed 0; 1 and 2 were checked as well
 LETTERS = "ABCD"  # one token each
 THINGS = ("car", "door", "kite", "ball", "cup", "hat", "boat", "lamp", "sock", "fish", "bike", "rug", "pen", "box",
           "bag", "toy", "bowl", "desk", "wall", "bird")
 SEQ = 48  # SFT rows, PPO prompt + response, index_topk (so DSA selects every key: transformers' and glmjax's agree)
+MODE = "dense"  # = sparse attention here (index_topk = SEQ), and compiles faster
 HF_MODEL = dict(  # tests/test_interop.py's GLM_TINY, smaller
     hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2, first_k_dense_replace=1,
     num_attention_heads=2, num_key_value_heads=2, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
@@ -75,34 +72,33 @@ def released_checkpoint(root):
     return hf_dir, tok
 
 
-def sft_config(root, hf_dir, model, steps=SFT_STEPS, lr=SFT_LR):
+def sft_config(root, hf_dir, steps=SFT_STEPS, lr=SFT_LR):
+    """configs/sft_chat.py on the imported checkpoint, at the test's size -> (config, the chat records)."""
     rng = np.random.default_rng(SEED)
     chats = [{"messages": [{"role": "user", "content": question(THINGS[i % len(THINGS)])},
                            {"role": "assistant", "content": LETTERS[rng.integers(4)]}]} for i in range(64)]
-    data = default_data_config(path=write_jsonl(os.path.join(root, "chat.jsonl"), chats), tokenizer="hf:" + hf_dir,
-                               messages_field="messages", eval_fraction=0.0, prefetch=0, shuffle=False,
-                               shuffle_window_tokens=1 << 10)  # the default 8M-token window repeats 64 chats
-    c = experiment_fields(ml_collections.ConfigDict(dict(
-        model=model, data=data, parallel=default_parallel_config(num_devices=1),
-        optim=default_optim_config(name="adamw", lr=lr, warmup_steps=3),
-        train=default_train_config(seq_len=SEQ, batch_size=8, steps=steps, log_every=1, eval_every=0,
-                                   eval_batches=0, checkpoint_every=steps, async_checkpoints=False,
-                                   tensorboard=False))), stage="sft")
-    c.init_from = os.path.join(root, "imported")
+    c = sft_chat.get_config(os.path.join(root, "imported"))
+    c.data.update(path=write_jsonl(os.path.join(root, "chat.jsonl"), chats), tokenizer="hf:" + hf_dir,
+                  eval_fraction=0.0, prefetch=0, shuffle=False,
+                  shuffle_window_tokens=1 << 10)  # the default 8M-token window would repeat 64 chats for a minute
+    c.optim.update(lr=lr, warmup_steps=3)
+    c.train.update(seq_len=SEQ, mode=MODE, steps=steps, log_every=1, eval_every=0, eval_batches=0,
+                   checkpoint_every=steps, async_checkpoints=False, tensorboard=False)
+    c.parallel.num_devices = 1
     return c, chats
 
 
-def ppo_config(root, hf_dir, model, steps=PPO_STEPS, lr=PPO_LR):
+def ppo_config(root, hf_dir, steps=PPO_STEPS, lr=PPO_LR):
+    """configs/ppo_prompts.py from the SFT workdir, at the test's size."""
     prompts = [{"prompt": question(t), "answer": "B"} for t in THINGS]
     prompts[1] = {"messages": [{"role": "user", "content": question(THINGS[1])}], "answer": "B"}
-    return ml_collections.ConfigDict(dict(
-        stage="ppo", model=model, optim=default_optim_config(name="adamw", lr=lr, warmup_steps=1, weight_decay=0.0),
-        ppo=default_ppo_config(
-            task="prompts", task_args=dict(path=write_jsonl(os.path.join(root, "prompts.jsonl"), prompts),
-                                           fields=("answer",)),
-            tokenizer="hf:" + hf_dir, reward="walk_reward:reward", init_checkpoint=os.path.join(root, "sft"),
-            seed=SEED, steps=steps, prompts_per_step=4, group_size=4, max_prompt_len=SEQ - 8, max_response_len=8,
-            advantage="grpo", async_rollout=False, target_kl=None, eval_every=0, eval_problems=4, eval_samples=1)))
+    c = ppo_prompts.get_config(os.path.join(root, "imported"))
+    c.optim.update(lr=lr, warmup_steps=1)
+    c.ppo.task_args.path = write_jsonl(os.path.join(root, "prompts.jsonl"), prompts)
+    c.ppo.update(tokenizer="hf:" + hf_dir, reward="walk_reward:reward", init_checkpoint=os.path.join(root, "sft"),
+                 mode=MODE, seed=SEED, steps=steps, prompts_per_step=4, group_size=4, max_prompt_len=SEQ - 8,
+                 max_response_len=8, target_kl=None, eval_every=0, eval_problems=4, eval_samples=1)
+    return c
 
 
 def jsonl_values(path, key):
@@ -116,11 +112,9 @@ def test_hf_checkpoint_to_post_trained_and_back(tmp_path, monkeypatch, capsys):
 
     # 2. import
     assert hf_mod.main(["import", hf_dir, os.path.join(root, "imported")]) == 0
-    with open(os.path.join(root, "imported", "model_config.json")) as f:
-        model = ml_collections.ConfigDict(json.load(f))
 
     # 3. SFT on chat data: the pipeline's ids and mask are transformers', the loss falls
-    sft, chats = sft_config(root, hf_dir, model)
+    sft, chats = sft_config(root, hf_dir)
     ref = transformers.AutoTokenizer.from_pretrained(hf_dir)
     batch = next(iter(make_pipeline(sft.data, SEQ, 4, seed=0, num_epochs=1)))
     segment = batch["segment_ids"][0] == 1
@@ -135,7 +129,7 @@ def test_hf_checkpoint_to_post_trained_and_back(tmp_path, monkeypatch, capsys):
     # 4. PPO on your own prompts, reward by import path
     (tmp_path / "walk_reward.py").write_text(REWARD_MODULE)
     monkeypatch.syspath_prepend(root)
-    summary = run(ppo_config(root, hf_dir, model), os.path.join(root, "ppo"), progress=False)
+    summary = run(ppo_config(root, hf_dir), os.path.join(root, "ppo"), progress=False)
     rewards = jsonl_values(os.path.join(root, "ppo", "metrics.jsonl"), "reward_mean")
     assert np.mean(rewards[:3]) < 0.5 and np.mean(rewards[-3:]) > np.mean(rewards[:3]) + 0.25, rewards
 
@@ -147,7 +141,7 @@ def test_hf_checkpoint_to_post_trained_and_back(tmp_path, monkeypatch, capsys):
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(exported, attn_implementation="eager").eval()
     hf_tok = transformers.AutoTokenizer.from_pretrained(exported)
     capsys.readouterr()
-    for thing in (THINGS[0], "tree"):
+    for thing in ("tree",):  # a thing PPO never saw
         msgs = [{"role": "user", "content": question(thing)}]
         ids = hf_tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
         with torch.no_grad():
@@ -155,7 +149,7 @@ def test_hf_checkpoint_to_post_trained_and_back(tmp_path, monkeypatch, capsys):
                                     eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
         want = out[0, len(ids):].tolist()
         assert gen_cli.main(["--checkpoint", policy, "--tokenizer", "hf:" + exported, "--chat", "--prompt",
-                             question(thing), "--max-new-tokens", "8", "--ids"]) == 0
+                             question(thing), "--max-new-tokens", "8", "--mode", MODE, "--ids"]) == 0
         text, got = capsys.readouterr().out.splitlines()
         assert got == json.dumps(want), (thing, text)
     assert summary["final_version"] == PPO_STEPS

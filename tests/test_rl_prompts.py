@@ -55,7 +55,8 @@ def test_prompts_rows_split_and_problem_fields(tmp_path):
     task = PromptsTask(path, fields=("answer",), heldout_fraction=0.3)
     assert len(task.rows) == 31 and [r.where for r in task.rows[14:16]] == [f"{path}:15", f"{path}:17"]
     chat = task.rows[-1]
-    assert chat.answer == "Paris" and chat.row["aliases"] == ["paris"] and chat.messages[1]["content"] == "Capital of France?"
+    assert chat.answer == "Paris" and chat.row["aliases"] == ["paris"]
+    assert chat.messages[1]["content"] == "Capital of France?"
     assert task.rows[0].messages == [{"role": "user", "content": "What is 0 + 1?"}]
     held = {r.prompt for r in task.splits[True]}
     assert held and len(held) < 31 and held == {r.prompt for r in task.rows if task.is_heldout(r)}

@@ -34,6 +34,7 @@ from flax import nnx
 
 from glmjax.config import ConfigError
 from glmjax.data.chat import ChatTemplate
+from glmjax.data.sources import DataError
 from glmjax.data.tokenizer import make_tokenizer
 from glmjax.infer import Decoder
 from glmjax.model import GLM
@@ -230,7 +231,10 @@ class PPORun:
                               "tokenizer with a chat template ('hf:DIR')")
         if p.task == "prompts":
             for r in self.task.rows:
-                n = len(self.text.prompt(r))
+                try:
+                    n = len(self.text.prompt(r))
+                except DataError as e:  # the template's raise_exception, a variable it lacks, ...
+                    raise DataError(f"{r.where}: {e}") from e
                 if n > p.max_prompt_len:
                     raise ConfigError(f"{r.where}: the prompt is {n} tokens, more than ppo.max_prompt_len="
                                       f"{p.max_prompt_len}")
