@@ -156,3 +156,18 @@ def test_tool_episode_renders_like_apply_chat_template_and_is_intercepted(text, 
     want = ref.apply_chat_template(conversation, tokenize=False)
     got = text.tokenizer.tokenizer.decode(ids, skip_special_tokens=False)
     assert got == want.rstrip("\n")  # the template's "\n" after the final EOS is not the policy's to write
+
+
+def test_tokenizer_larger_than_the_model_and_missing_template_are_refused(tok_dir, tmp_path):
+    from glmjax.rl.ppo import build_text
+
+    vocab = HFTokenizer(tok_dir).vocab_size
+    p = default_ppo_config(tokenizer="hf:" + tok_dir)
+    with pytest.raises(ConfigError, match=rf"ppo.tokenizer='hf:{tok_dir}': its vocab_size {vocab} exceeds "
+                                          rf"model.vocab_size={vocab - 1}"):
+        build_text(p, vocab - 1)
+    assert build_text(p, vocab).template is not None
+    plain = write_tokenizer(tmp_path / "plain", chat_template=None)
+    assert build_text(default_ppo_config(tokenizer="hf:" + plain), vocab).template is None  # BOS + prompt text
+    with pytest.raises(DataError, match="has no chat template"):
+        build_text(default_ppo_config(tokenizer="hf:" + plain, env="tool"), vocab)

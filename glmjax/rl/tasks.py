@@ -1,8 +1,8 @@
 """Verifiable tasks: problems with a checkable answer, a deterministic held-out split, demonstrations for the
 supervised warm-up, and reward functions selected by name (or "module:function") in the config.
 
-Text is byte-tokenised (glmjax.data.ByteTokenizer). A prompt is BOS + "<question>=", a single-turn response is
-"<answer>" + EOS. Tasks:
+With the byte rule (glmjax/rl/text.py) a prompt is BOS + "<question>=", a single-turn response is "<answer>" + EOS.
+Your own prompts file is the task "prompts" (prompts.py). Tasks:
   arithmetic   "a+b=" -> "a+b" evaluated; operands in [low, high], operator pattern `ops` ("+" -> a+b, "*+" -> a*b+c),
                optionally only problems whose result is at most `max_result` (e.g. 9: single-digit answers)
   reverse      "rev:abca=" -> "acba"
