@@ -493,7 +493,7 @@ def test_rollout_logprobs_match_the_trainer(small_model):
     smp = Sampler(Decoder(model, "sparse"), 6, 12, 20, temperature=0.8)
     state = nnx.state(model)
     samples = smp.rollout(state, envs, list(range(6)), 0, jax.random.key(3))
-    data = pack_samples(samples, 8, 32)
+    data = pack_samples(samples, 8, 32, 258)
     graphdef, params, rest = nnx.split(model, ACTOR_TRAINABLE, ...)
     fns = PPOFunctions(graphdef, None, "sparse", 0.8, 512, PolicyLossConfig(), 0, 0, 0)
     logp = np.asarray(fns.logprobs(params, rest, {k: data[k] for k in ("tokens", "segment_ids", "positions")}))
@@ -530,7 +530,7 @@ def test_target_kl_stops_the_actor_updates_of_a_step(small_model):
 
     def step(**ppo):
         p = default_ppo_config(**{"ppo_epochs": 2, "minibatches": 2, **ppo})
-        learner = Learner(small_model, p, optim, {**optim, "lr": 1e-3})
+        learner = Learner(small_model, p, optim, {**optim, "lr": 1e-3}, 258)
         m = learner.update(samples, 0, 8, 10, train_actor=True)
         return learner, m
 

@@ -134,12 +134,14 @@ class ChatTemplate:
             raise DataError(f"the chat template of {origin!r} does not compile ({type(e).__name__}: {e})") from e
         self.origin, self.special_tokens = origin, dict(special_tokens)
 
-    def render(self, chat: Chat) -> Rendered | Skip:
+    def render(self, chat: Chat, add_generation_prompt: bool = False) -> Rendered | Skip:
+        """The training render (add_generation_prompt=True: with the next assistant header, as PPO's tool episodes
+        continue)."""
         if _contains_marker(chat):
             return Skip("malformed", "the conversation contains U+E000 / U+E001 (reserved for the generation markers)")
         try:
             text = self.template.render(messages=chat.messages, tools=chat.tools, documents=None,
-                                        add_generation_prompt=False, **self.special_tokens)
+                                        add_generation_prompt=add_generation_prompt, **self.special_tokens)
         except Exception as e:  # noqa: BLE001 -- raise_exception, undefined variables, type errors in the template
             return Skip("malformed", f"chat template {self.origin!r} failed on this conversation "
                                      f"({type(e).__name__}: {str(e)[:200]})")
@@ -158,11 +160,11 @@ class ChatTemplate:
             return Skip("malformed", f"chat template {self.origin!r} cut a generation block apart")
         return Rendered("".join(clean), np.array(spans, np.int64).reshape(-1, 2))
 
-    def prompt(self, messages: list) -> str:
-        """messages -> the template's text with add_generation_prompt=True (what the model continues); raises
-        DataError if the template fails on them."""
+    def prompt(self, messages: list, tools: list | None = None) -> str:
+        """messages (and the tools offered) -> the template's text with add_generation_prompt=True (what the model
+        continues); raises DataError if the template fails on them."""
         try:
-            text = self.template.render(messages=messages, tools=None, documents=None, add_generation_prompt=True,
+            text = self.template.render(messages=messages, tools=tools, documents=None, add_generation_prompt=True,
                                         **self.special_tokens)
         except Exception as e:  # noqa: BLE001 -- as in render
             raise DataError(f"chat template {self.origin!r} failed on the prompt ({type(e).__name__}: "

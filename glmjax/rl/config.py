@@ -26,10 +26,13 @@ def default_ppo_config(**overrides) -> ml_collections.ConfigDict:
     c.seed = 0
     c.steps = 100  # PPO steps: one rollout batch each, then ppo_epochs x minibatches optimizer updates
     # ----- task and environment
-    c.task = "arithmetic"  # arithmetic | reverse | sort (glmjax/rl/tasks.py)
-    c.task_args = ml_collections.ConfigDict()  # constructor arguments of the task (e.g. low=0, high=9, ops="+")
+    c.task = "arithmetic"  # arithmetic | reverse | sort (demos, glmjax/rl/tasks.py) | prompts (your JSONL file)
+    c.task_args = ml_collections.ConfigDict()  # constructor arguments of the task (e.g. low=0, high=9, ops="+";
+    # prompts: path="prompts.jsonl", fields=("answer",): glmjax/rl/prompts.py)
+    c.tokenizer = "byte"  # byte | "hf:DIR": prompts rendered by DIR's chat template, responses decoded by it
     c.env = "single_turn"  # single_turn | tool (multi-turn calculator / file / web tools, tool outputs loss-masked)
     c.reward = "exact"  # exact | partial | "package.module:function" -- fn(response_text, problem) -> float
+    c.tools = placeholder(str)  # optional "package.module:NAME": a dict {tool name: fn(argument, problem) -> str}
     c.heldout_fraction = 0.2  # share of problems held out (by hash) for evaluation
     c.max_tool_calls = 3
     c.env_crash_prob = 0.0  # simulated environment crashes per tool call (exercises the dropping rule)
@@ -86,6 +89,7 @@ def default_ppo_config(**overrides) -> ml_collections.ConfigDict:
     c.eval_problems = 64  # held-out problems (fewer if the held-out split is smaller)
     c.eval_samples = 4  # sampled episodes per held-out problem (at `temperature`) for eval_sampled_accuracy
     c.log_every = 1
+    c.save_policy = True  # write the final policy to workdir/policy (model_config.json + state/, as glmjax-hf import)
     c.update(overrides)
     return c
 
@@ -132,22 +136,30 @@ def validate_ppo_config(config) -> ModelConfig:
         integer(f, 1)
     for f in ("seed", "max_staleness", "critic_warmup_steps", "sft_steps", "eval_every", "max_tool_calls"):
         integer(f, 0)
-    choice("task", TASKS)
+    choice("task", (*TASKS, "prompts"))
     choice("env", ENVS)
     choice("mode", MODES)
     choice("advantage", ADVANTAGES)
     choice("policy_loss", POLICY_LOSSES)
     choice("loss_agg", AGGREGATIONS)
     choice("sft_script", ("direct", "calc"))
-    for f in ("async_rollout", "whiten_advantages", "grpo_std", "interceptor", "freeze_indexer"):
+    for f in ("async_rollout", "whiten_advantages", "grpo_std", "interceptor", "freeze_indexer", "save_policy"):
         boolean(f)
     if not p.freeze_indexer:
         fail("freeze_indexer", "must be True: PPO's losses never reach the indexer (top-k is not differentiable) "
              "and no indexer KL loss runs during RL, so an unfrozen indexer would only feel weight decay")
     if not isinstance(p.reward, str) or not p.reward:
         fail("reward", "must be a reward name or 'package.module:function'")
-    if p.judge is not None and (not isinstance(p.judge, str) or ":" not in p.judge):
-        fail("judge", "must be None or 'package.module:function'")
+    for f in ("judge", "tools"):
+        if p[f] is not None and (not isinstance(p[f], str) or ":" not in p[f]):
+            fail(f, "must be None or 'package.module:name'")
+    if not isinstance(p.tokenizer, str) or not (p.tokenizer == "byte" or p.tokenizer.startswith("hf:")):
+        fail("tokenizer", "must be 'byte' or 'hf:DIR' (a directory with tokenizer.json)")
+    if p.tokenizer != "byte" and p.sft_steps:
+        fail("sft_steps", "the supervised warm-up's demonstrations are byte-tokenized: with ppo.tokenizer "
+             f"{p.tokenizer!r} start from an SFT checkpoint (ppo.init_checkpoint) instead")
+    if p.tools is not None and p.env != "tool":
+        fail("tools", "tools are offered in the tool environment: needs env='tool'")
     if p.env_crash_prob and p.env != "tool":
         fail("env_crash_prob", "simulated crashes happen in tool calls: needs env='tool'")
     if p.sft_script == "calc" and p.env != "tool":

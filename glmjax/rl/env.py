@@ -6,68 +6,77 @@ it hands the policy's turn (its tokens, stop token included) to `env.step(turn)`
 `env.reward()` then scores it with a verifiable reward function. An environment failure raises `EnvCrash`; the
 sample is marked "env_crash" and dropped by the trainer.
 
-SingleTurnEnv  the policy answers once (turn ends at EOS).
-ToolEnv        multi-turn: a turn ending in "\\n" is a tool call "<tool>:<argument>" answered by "=<output>\\n";
-               a turn ending in EOS is the final answer. Tools: calc (integer + - *), read (a small file system
-               that holds the protected answer.txt), fetch (a fake web with a reference solution). Calls flagged by
-               the interceptor are blocked and answered with the interceptor's dummy output.
+SingleTurnEnv  the policy answers once (turn ends at EOS). Tokens follow the env's text rule (glmjax/rl/text.py).
+ToolEnv        multi-turn, byte tokens: a turn ending in "\\n" is a tool call "<tool>:<argument>" answered by
+               "=<output>\\n"; a turn ending in EOS is the final answer. Tools: calc (integer + - *), read (a small
+               file system that holds the protected answer.txt), fetch (a fake web with a reference solution), and
+               the user's tools (ppo.tools). Calls flagged by the interceptor are blocked and answered with the
+               interceptor's dummy output.
+ChatToolEnv    (chat_env.py) the same tools with a configured tokenizer, each turn rendered by the chat template.
 """
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Callable, Sequence
 
 import numpy as np
 
-from glmjax.data.tokenizer import ByteTokenizer
 from glmjax.rl.interceptor import Interceptor, ToolCall
 from glmjax.rl.tasks import Problem, safe_eval
+from glmjax.rl.text import TOK, ByteText, decode, encode
 
-TOK = ByteTokenizer()
 EOS, NEWLINE = TOK.EOS, ord("\n")
+BYTES = ByteText()
 RewardFn = Callable[[str, Problem], float]
+UserTool = Callable[[str, Problem], str]  # (argument, problem) -> output text
 
 
 class EnvCrash(RuntimeError):
     """The environment itself failed (tool server down, sandbox died): not the policy's fault; the sample is dropped."""
 
 
-def encode(text: str) -> list[int]:
-    return TOK.encode(text, bos=False, eos=False).tolist()
-
-
-def decode(ids: Sequence[int]) -> str:
-    """Text of the byte tokens; special and unused ids (the model's vocabulary may be larger) are dropped."""
-    return bytes(int(i) for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
-
-
 class SingleTurnEnv:
-    stop_tokens: tuple[int, ...] = (EOS,)
+    """text: the token rule (glmjax/rl/text.py; the built-in byte rule by default)."""
 
-    def __init__(self, problem: Problem, reward_fn: RewardFn):
-        self.problem, self.reward_fn = problem, reward_fn
+    def __init__(self, problem: Problem, reward_fn: RewardFn, text=BYTES):
+        self.problem, self.reward_fn, self.text = problem, reward_fn, text
+        self.stop_tokens: tuple[int, ...] = (text.eos_id,)
         self.answer: str | None = None
         self.info: dict = {"tool_calls": 0, "interceptions": []}
 
     def prompt(self) -> list[int]:
-        return [TOK.BOS] + encode(self.problem.prompt)
+        return self.text.prompt(self.problem)
 
     def step(self, turn: Sequence[int]) -> list[int] | None:
-        self.answer = decode(turn)
+        self.answer = self.text.decode(turn)
         return None
 
     def reward(self) -> float:
-        """Score of the final answer; an episode that never finished (truncated) has none and scores 0."""
-        return 0.0 if self.answer is None else float(self.reward_fn(self.answer, self.problem))
+        """Score of the final answer; an episode that never finished (truncated) has none and scores 0. ValueError
+        if the reward function returns anything but a finite number."""
+        if self.answer is None:
+            return 0.0
+        value = self.reward_fn(self.answer, self.problem)
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+            name = f"{getattr(self.reward_fn, '__module__', '?')}:{getattr(self.reward_fn, '__qualname__', '?')}"
+            raise ValueError(f"reward {name} returned {value!r} ({type(value).__name__}) for "
+                             f"{self.problem.where or repr(self.problem.prompt)}: must be a finite number")
+        return float(value)
 
 
 class ToolEnv(SingleTurnEnv):
-    stop_tokens = (EOS, NEWLINE)
+    """tools: the user's tools {name: fn(argument, problem) -> output}, next to (or replacing) the built-in ones;
+    the interceptor checks every call before any tool runs."""
 
     def __init__(self, problem: Problem, reward_fn: RewardFn, interceptor: Interceptor | None = None,
-                 max_calls: int = 3, crash_prob: float = 0.0, rng: np.random.Generator | None = None):
-        super().__init__(problem, reward_fn)
+                 max_calls: int = 3, crash_prob: float = 0.0, rng: np.random.Generator | None = None,
+                 tools: dict[str, UserTool] | None = None, text=BYTES):
+        super().__init__(problem, reward_fn, text)
+        self.stop_tokens = (EOS, NEWLINE)
         self.interceptor, self.max_calls, self.crash_prob = interceptor, max_calls, crash_prob
         self.rng = rng or np.random.default_rng(0)
+        self.tools = dict(tools or {})
         self.files = {"answer.txt": problem.answer, "notes.txt": "tools: calc:EXPR read:PATH fetch:URL"}
 
     def step(self, turn: Sequence[int]) -> list[int] | None:
@@ -91,6 +100,8 @@ class ToolEnv(SingleTurnEnv):
                 self.info["interceptions"].append(record)
                 if record["blocked"]:
                     return self.interceptor.dummy_output
+        if tool in self.tools:
+            return str(self.tools[tool](arg, self.problem))
         if tool == "calc":
             try:
                 return str(safe_eval(arg))

@@ -12,7 +12,9 @@ One PPO step:
                  token mean (or sequence mean) accumulated over micro_batches x data_parallel devices
   weight sync    version v+1 handed to the rollout worker
 Metrics go to workdir/metrics.jsonl (one line per step, plus eval lines), interceptions to
-workdir/interceptions.jsonl, and a tqdm bar shows reward / eval accuracy / wait share.
+workdir/interceptions.jsonl, the final policy to workdir/policy (ppo.save_policy), and a tqdm bar shows reward /
+eval accuracy / wait share. Tasks: the built-in demos, or your prompts JSONL with a reward by import path
+(glmjax/rl/prompts.py); text goes through ppo.tokenizer's rule (glmjax/rl/text.py).
 
 `load_params(path, target_state) -> state` plugs in checkpoint loading for ppo.init_checkpoint: it receives the
 model's complete nnx.State (as a shape/structure target) and returns one of the same structure (train.py, through
@@ -31,48 +33,72 @@ import numpy as np
 from flax import nnx
 
 from glmjax.config import ConfigError
-from glmjax.data.tokenizer import ByteTokenizer
+from glmjax.data.chat import ChatTemplate
+from glmjax.data.sources import DataError
+from glmjax.data.tokenizer import make_tokenizer
 from glmjax.infer import Decoder
 from glmjax.model import GLM
 from glmjax.optim import build_optimizer, validate_optim_config
 from glmjax.rl.advantages import explained_variance, gae, grpo, masked_whiten
 from glmjax.rl.config import validate_ppo_config
-from glmjax.rl.env import ENVS, SCRIPTS, run_script
+from glmjax.rl.chat_env import ChatToolEnv
+from glmjax.rl.env import BYTES, ENVS, SCRIPTS, run_script
 from glmjax.rl.interceptor import Interceptor
 from glmjax.rl.losses import PolicyLossConfig, loss_weights
 from glmjax.rl.rollout import RolloutBatch, RolloutWorker, Sampler, filter_groups
-from glmjax.rl.tasks import REWARDS, TASKS, resolve_callable
+from glmjax.rl.prompts import PromptsTask
+from glmjax.rl.tasks import REWARDS, TASKS, resolve_callable, resolve_tools
+from glmjax.rl.text import ChatText
 from glmjax.rl.trainer import (ACTOR_TRAINABLE, CRITIC_TRAINABLE, Placement, PPOFunctions, accumulate,
                                critic_optimizer, forward, full_state, init_value_head, make_apply)
 from glmjax.rl.warmup import supervised_warmup
 from glmjax.train.hooks import EvalHook, MetricsLog, due
 
-TOK = ByteTokenizer()
 LoadParams = Callable[[str, nnx.State], nnx.State]
 
 
 def build_task(p):
+    cls = PromptsTask if p.task == "prompts" else TASKS[p.task]
     try:
-        return TASKS[p.task](**p.task_args.to_dict(), heldout_fraction=p.heldout_fraction)
+        return cls(**p.task_args.to_dict(), heldout_fraction=p.heldout_fraction)
     except TypeError as e:
         raise ConfigError(f"ppo.task_args={p.task_args.to_dict()!r}: {e}") from e
 
 
-def env_factory(p, task_reward, interceptor, crash_prob: float | None = None):
+def build_text(p, vocab_size: int):
+    """The token rule of ppo.tokenizer (glmjax/rl/text.py): the byte rule, or the HF tokenizer with its chat template
+    (required for the tool environment, which renders every turn with it)."""
+    if p.tokenizer == "byte":
+        return BYTES
+    tok = make_tokenizer(p.tokenizer)
+    if tok.vocab_size > vocab_size:
+        raise ConfigError(f"ppo.tokenizer={p.tokenizer!r}: its vocab_size {tok.vocab_size} exceeds "
+                          f"model.vocab_size={vocab_size}")
+    template = None
+    if tok.chat_template is not None or p.env == "tool":
+        template = ChatTemplate(tok.chat_template, tok.chat_template_file, tok.special_tokens,
+                                for_training=p.env == "tool")
+    return ChatText(tok, template)
+
+
+def env_factory(p, task_reward, interceptor, text=BYTES, tools=None, crash_prob: float | None = None):
     """-> make_env(problem, rng) for the configured environment (crash_prob: overrides ppo.env_crash_prob)."""
     crash_prob = p.env_crash_prob if crash_prob is None else crash_prob
+    if p.env == "tool" and text is not BYTES:
+        return lambda problem, rng: ChatToolEnv(problem, task_reward, text, interceptor, p.max_tool_calls,
+                                                crash_prob, rng, tools)
     if p.env == "tool":
         return lambda problem, rng: ENVS["tool"](problem, task_reward, interceptor, p.max_tool_calls, crash_prob,
-                                                 rng)
-    return lambda problem, rng: ENVS["single_turn"](problem, task_reward)
+                                                 rng, tools)
+    return lambda problem, rng: ENVS["single_turn"](problem, task_reward, text)
 
 
-def pack_samples(samples, rows: int, seq_len: int) -> dict:
+def pack_samples(samples, rows: int, seq_len: int, pad_id: int) -> dict:
     """Samples -> numpy arrays [rows, seq_len] indexed by token position (rows beyond len(samples) are padding):
     tokens, segment_ids, positions, mask (policy tokens), rollout_logp, rewards (the sample's reward on its last
     policy token), plus per-row version / group / score."""
     out = {k: np.zeros((rows, seq_len), np.float32) for k in ("mask", "rollout_logp", "rewards")}
-    out["tokens"] = np.full((rows, seq_len), TOK.PAD, np.int32)
+    out["tokens"] = np.full((rows, seq_len), pad_id, np.int32)
     out["segment_ids"] = np.zeros((rows, seq_len), np.int32)
     out["positions"] = np.ascontiguousarray(np.broadcast_to(np.arange(seq_len, dtype=np.int32), (rows, seq_len)))
     version = np.full(rows, -1, np.int64)
@@ -102,8 +128,8 @@ class Learner:
     """The trainer's side: actor (and critic) parameters with their optimizers on the trainer devices, and the PPO
     update on one batch of samples (forward passes, advantages, ppo_epochs x minibatches optimizer updates)."""
 
-    def __init__(self, model: GLM, p, actor_opt: dict, critic_opt: dict):
-        cfg, self.p = model.cfg, p
+    def __init__(self, model: GLM, p, actor_opt: dict, critic_opt: dict, pad_id: int):
+        cfg, self.p, self.pad_id = model.cfg, p, pad_id
         self.placement = Placement(p.data_parallel)
         self.graphdef, params, rest = nnx.split(model, ACTOR_TRAINABLE, ...)
         self.params, self.rest = self.placement.replicate((params, rest))
@@ -129,7 +155,7 @@ class Learner:
 
     def update(self, samples, version: int, rows: int, seq_len: int, train_actor: bool) -> dict:
         p, fns, place = self.p, self.fns, self.placement
-        data = pack_samples(samples, rows, seq_len)
+        data = pack_samples(samples, rows, seq_len, self.pad_id)
         fwd = {k: data[k] for k in ("tokens", "segment_ids", "positions")}
         data["old_logp"] = forward(fns.logprobs, (self.params, self.rest), fwd, p.micro_batches, place)
         # the starting policy's log-probs: the KL term's reference, and how far RL has moved the policy (metric)
@@ -199,12 +225,26 @@ class PPORun:
     def __init__(self, config, workdir: str, load_params: LoadParams | None, progress: bool):
         self.cfg, p = validate_ppo_config(config), config.ppo
         self.p, self.task = p, build_task(p)
+        self.text = build_text(p, self.cfg.vocab_size)
+        if p.task == "prompts" and self.text.template is None and any("messages" in r.row for r in self.task.rows):
+            raise ConfigError(f"ppo.tokenizer={p.tokenizer!r}: rows with 'messages' ({self.task.path}) need a "
+                              "tokenizer with a chat template ('hf:DIR')")
+        if p.task == "prompts":
+            for r in self.task.rows:
+                try:
+                    n = len(self.text.prompt(r))
+                except DataError as e:  # the template's raise_exception, a variable it lacks, ...
+                    raise DataError(f"{r.where}: {e}") from e
+                if n > p.max_prompt_len:
+                    raise ConfigError(f"{r.where}: the prompt is {n} tokens, more than ppo.max_prompt_len="
+                                      f"{p.max_prompt_len}")
         reward_fn = resolve_callable(p.reward, REWARDS, "reward")
         judge = resolve_callable(p.judge, {}, "judge") if p.judge else None
+        tools = resolve_tools(p.tools) if p.tools else None
         interceptor = Interceptor(judge=judge) if p.interceptor else None
-        self.make_env = env_factory(p, reward_fn, interceptor)
+        self.make_env = env_factory(p, reward_fn, interceptor, self.text, tools)
         # evaluation and demonstrations run without the simulated crashes (they exercise the rollout dropping rule)
-        self.make_clean_env = env_factory(p, reward_fn, interceptor, crash_prob=0.0)
+        self.make_clean_env = env_factory(p, reward_fn, interceptor, self.text, tools, crash_prob=0.0)
         if p.init_checkpoint is not None and load_params is None:
             raise ConfigError(f"ppo.init_checkpoint={p.init_checkpoint!r}: needs a params loader (train_ppo(..., "
                               "load_params=...))")
@@ -220,7 +260,7 @@ class PPORun:
             f.write(config.to_json(indent=2))
         self.summary: dict = {}
         model = self.initial_policy(load_params, optim, progress)
-        self.learner = Learner(model, p, actor_opt, critic_opt)
+        self.learner = Learner(model, p, actor_opt, critic_opt, self.text.pad_id)
         print(f"ppo: {p.task} ({p.env}), {self.B} rollouts/step ({p.prompts_per_step} prompts x {p.group_size}), "
               f"{p.steps} steps, {p.advantage} + {p.policy_loss}, {'async' if p.async_rollout else 'sync'} rollouts")
         print(self.learner.table)
@@ -228,10 +268,11 @@ class PPORun:
         devices = jax.devices()
         self.rollout_device = devices[p.data_parallel] if len(devices) > p.data_parallel else devices[0]
         decoder = Decoder(model, p.mode)  # the model object only gives the structure; weights are passed per call
-        self.sampler = Sampler(decoder, self.B, p.max_prompt_len, p.max_response_len, p.temperature, p.top_p, TOK.PAD)
+        self.sampler = Sampler(decoder, self.B, p.max_prompt_len, p.max_response_len, p.temperature, p.top_p,
+                               self.text.pad_id)
         self.gen_rng, self.gen_key = np.random.default_rng(p.seed + 1), jax.random.key(p.seed + 1)
         self.eval_problems = self.task.eval_set(p.eval_problems)
-        self.greedy = Sampler(decoder, self.B, p.max_prompt_len, p.max_response_len, 0.0, 1.0, TOK.PAD)
+        self.greedy = Sampler(decoder, self.B, p.max_prompt_len, p.max_response_len, 0.0, 1.0, self.text.pad_id)
         self.version = 0
 
     def initial_policy(self, load_params: LoadParams | None, optim: dict, progress: bool) -> GLM:
@@ -248,7 +289,7 @@ class PPORun:
                 return run_script(self.make_clean_env(problem, rng), script(problem))
 
             losses = supervised_warmup(model, demo, p.sft_steps, p.sft_batch_size, self.L, optim, p.sft_lr, p.mode,
-                                       TOK.PAD, p.seed, progress)
+                                       self.text.pad_id, p.seed, progress)
             self.summary["sft_first_loss"], self.summary["sft_last_loss"] = losses[0], losses[-1]
         return model
 
@@ -265,8 +306,9 @@ class PPORun:
         return RolloutBatch(samples, version, time.perf_counter() - t, sum(len(s.response) for s in samples))
 
     def evaluate(self) -> dict:
-        """Held-out problems: greedy accuracy, and the solve rate of `eval_samples` sampled episodes per problem at
-        the rollout temperature (smoother: it moves with the whole sampling distribution). The policy is measured
+        """Held-out problems: greedy accuracy (reward 1) and mean reward, and the solve rate of `eval_samples` sampled
+        episodes per problem at the rollout temperature (smoother: it moves with the whole sampling distribution),
+        and their mean reward. The policy is measured
         without simulated crashes (ppo.env_crash_prob); an episode whose environment really crashes is not the
         policy's fault and is left out (NaN if every episode crashed)."""
         p, B = self.p, self.B
@@ -281,6 +323,7 @@ class PPORun:
                 samples = smp.rollout(state, envs, list(range(len(chunk))), -1, jax.random.key(i))
                 rewards += [s.reward for s in samples if s.status != "env_crash"]
             out[name] = float(np.mean(np.asarray(rewards) == 1.0)) if rewards else float("nan")
+            out[name.replace("accuracy", "reward")] = float(np.mean(rewards)) if rewards else float("nan")
         return out
 
     def step(self, step: int, worker: RolloutWorker | None, interceptions, start: float) -> tuple[dict, RolloutBatch]:
@@ -313,7 +356,8 @@ class PPORun:
 
 
 def train_ppo(config, workdir: str, progress: bool = True, load_params: LoadParams | None = None) -> dict:
-    """Run the PPO stage; writes workdir/{config.json, metrics.jsonl, interceptions.jsonl}. -> summary dict."""
+    """Run the PPO stage; writes workdir/{config.json, metrics.jsonl, interceptions.jsonl} and, with
+    ppo.save_policy, the final policy to workdir/policy. -> summary dict."""
     t0 = time.perf_counter()
     run = PPORun(config, workdir, load_params, progress)
     p, summary = run.p, run.summary
@@ -351,6 +395,8 @@ def train_ppo(config, workdir: str, progress: bool = True, load_params: LoadPara
         finally:
             if worker:
                 worker.stop()
+    if p.save_policy:
+        save_policy(run.learner.policy_state(), run.cfg, os.path.join(workdir, "policy"))
     summary.update(wait_share=totals["wait_s"] / max(totals["step_s"], 1e-9),
                    step_s=totals["step_s"] / max(p.steps - 1, 1),
                    rollout_tokens_per_s=totals["rollout_tokens"] / max(totals["rollout_s"], 1e-9),
@@ -358,6 +404,18 @@ def train_ppo(config, workdir: str, progress: bool = True, load_params: LoadPara
                    final_version=run.version, wall_s=time.perf_counter() - t0)
     print("done: " + ", ".join(f"{k} {v:.4g}" for k, v in summary.items() if isinstance(v, float)))
     return summary
+
+
+def save_policy(state, cfg, path: str):
+    """The policy as `glmjax-hf import` writes a checkpoint (model_config.json + state/): read by glmjax-generate,
+    init_from / ppo.init_checkpoint and `glmjax-hf export`."""
+    import orbax.checkpoint as ocp
+
+    os.makedirs(path, exist_ok=True)
+    with ocp.StandardCheckpointer() as ck:
+        ck.save(os.path.abspath(os.path.join(path, "state")), state, force=True)
+    with open(os.path.join(path, "model_config.json"), "w") as f:
+        json.dump(cfg.to_json_dict(), f, indent=1)
 
 
 def eval_line(step: int, e: dict, m: dict) -> str:

@@ -215,7 +215,8 @@ class RolloutWorker:
                 return batch
             except queue.Empty:
                 if self.error is not None:
-                    raise RuntimeError("rollout worker failed") from self.error
+                    raise RuntimeError(f"rollout worker failed: {type(self.error).__name__}: {self.error}") \
+                        from self.error
                 if not self.thread.is_alive():
                     raise RuntimeError("rollout worker stopped")
 

@@ -1,8 +1,8 @@
 """Verifiable tasks: problems with a checkable answer, a deterministic held-out split, demonstrations for the
 supervised warm-up, and reward functions selected by name (or "module:function") in the config.
 
-Text is byte-tokenised (glmjax.data.ByteTokenizer). A prompt is BOS + "<question>=", a single-turn response is
-"<answer>" + EOS. Tasks:
+With the byte rule (glmjax/rl/text.py) a prompt is BOS + "<question>=", a single-turn response is "<answer>" + EOS.
+Your own prompts file is the task "prompts" (prompts.py). Tasks:
   arithmetic   "a+b=" -> "a+b" evaluated; operands in [low, high], operator pattern `ops` ("+" -> a+b, "*+" -> a*b+c),
                optionally only problems whose result is at most `max_result` (e.g. 9: single-digit answers)
   reverse      "rev:abca=" -> "acba"
@@ -24,8 +24,17 @@ from glmjax.config import ConfigError
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
-    prompt: str  # question text, without BOS (e.g. "3+4=")
-    answer: str  # the verifiable answer (e.g. "7")
+    prompt: str  # question text, without BOS (e.g. "3+4="); a prompts-dataset row: its prompt or its messages as JSON
+    answer: str  # the verifiable answer (e.g. "7"); a prompts-dataset row: its "answer" field as text, or ""
+    row: dict | None = dataclasses.field(default=None, compare=False)  # a prompts-dataset row (glmjax/rl/prompts.py)
+    where: str = ""  # "file:line" of a dataset row, for error messages
+
+    @property
+    def messages(self) -> list[dict]:
+        """The conversation the policy continues: the row's messages, else the prompt as one user message."""
+        if self.row is not None and "messages" in self.row:
+            return self.row["messages"]
+        return [{"role": "user", "content": self.prompt}]
 
 
 class Task:
@@ -172,16 +181,30 @@ def partial_reward(response: str, problem: Problem) -> float:
 REWARDS: dict[str, Callable[[str, Problem], float]] = {"exact": exact_reward, "partial": partial_reward}
 
 
+def import_path(spec: str, field: str):
+    """"package.module:name" -> the object; ConfigError naming the field if it does not import."""
+    mod, _, attr = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(mod), attr)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"ppo.{field}={spec!r}: cannot import ({type(e).__name__}: {e})") from e
+
+
 def resolve_callable(spec: str, registry: dict, field: str):
     """A registry name, or "package.module:function" imported on the spot; ConfigError names the field otherwise."""
     if spec in registry:
         return registry[spec]
     if ":" in spec:
-        mod, _, attr = spec.partition(":")
-        try:
-            fn = getattr(importlib.import_module(mod), attr)
-        except (ImportError, AttributeError) as e:
-            raise ConfigError(f"ppo.{field}={spec!r}: cannot import ({e})") from e
+        fn = import_path(spec, field)
         if callable(fn):
             return fn
+        raise ConfigError(f"ppo.{field}={spec!r}: is a {type(fn).__name__}, not a function")
     raise ConfigError(f"ppo.{field}={spec!r}: must be one of {sorted(registry)} or 'package.module:function'")
+
+
+def resolve_tools(spec: str) -> dict:
+    """"package.module:NAME" -> the dict {tool name: fn(argument, problem) -> str} it names (ppo.tools)."""
+    tools = import_path(spec, "tools")
+    if not isinstance(tools, dict) or not all(isinstance(k, str) and k and callable(v) for k, v in tools.items()):
+        raise ConfigError(f"ppo.tools={spec!r}: must name a dict {{tool name: fn(argument, problem) -> str}}")
+    return tools
