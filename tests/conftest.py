@@ -9,8 +9,25 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 # A persistent compilation cache shared by the xdist workers and by reruns: compiling dominates CPU test time.
 jax.config.update("jax_compilation_cache_dir", os.environ.get("GLMJAX_TEST_CACHE",
                                                               os.path.join(tempfile.gettempdir(), "glmjax_jax_cache")))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    """A small BPE tokenizer with a chat template, saved as a Hugging Face checkpoint's tokenizer files."""
+    from hf_tokenizer_fixture import write_tokenizer
+
+    return write_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture(scope="module")
+def ref(tok_dir):
+    """transformers' tokenizer of tok_dir: the independent reference."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tok_dir)

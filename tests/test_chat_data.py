@@ -19,18 +19,6 @@ from glmjax.data.sources import DataError, Skip
 
 
 @pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory):
-    return write_tokenizer(tmp_path_factory.mktemp("tok"))
-
-
-@pytest.fixture(scope="module")
-def ref(tok_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tok_dir)
-
-
-@pytest.fixture(scope="module")
 def hf(tok_dir):
     return make_tokenizer("hf:" + tok_dir)
 

@@ -23,18 +23,6 @@ from helpers import TINY
 
 
 @pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory):
-    return write_tokenizer(tmp_path_factory.mktemp("tok"))
-
-
-@pytest.fixture(scope="module")
-def ref(tok_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tok_dir)
-
-
-@pytest.fixture(scope="module")
 def text(tok_dir):
     tok = HFTokenizer(tok_dir)
     return ChatText(tok, ChatTemplate(tok.chat_template, tok.chat_template_file, tok.special_tokens))
