@@ -31,3 +31,10 @@ def ref(tok_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tok_dir)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Modules with a `slow` test run first (each module's tests stay together, in order, so module fixtures are
+    built once): the two xdist workers start on the long tests and finish together on the short ones."""
+    slow = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.module.__name__ not in slow)  # stable

@@ -106,6 +106,7 @@ def jsonl_values(path, key):
         return [r[key] for r in map(json.loads, f) if key in r]
 
 
+@pytest.mark.slow
 def test_hf_checkpoint_to_post_trained_and_back(tmp_path, monkeypatch, capsys):
     root = str(tmp_path)
     hf_dir, tok = released_checkpoint(root)
