@@ -14,7 +14,7 @@ import ml_collections
 from glmjax.config import ConfigError, ModelConfig
 from glmjax.rl.env import ENVS
 from glmjax.rl.losses import AGGREGATIONS, POLICY_LOSSES
-from glmjax.rl.tasks import TASKS
+from glmjax.rl.prompts import TASKS
 
 ADVANTAGES = ("gae", "grpo")
 MODES = ("dense", "sparse")
@@ -136,7 +136,7 @@ def validate_ppo_config(config) -> ModelConfig:
         integer(f, 1)
     for f in ("seed", "max_staleness", "critic_warmup_steps", "sft_steps", "eval_every", "max_tool_calls"):
         integer(f, 0)
-    choice("task", (*TASKS, "prompts"))
+    choice("task", tuple(TASKS))
     choice("env", ENVS)
     choice("mode", MODES)
     choice("advantage", ADVANTAGES)

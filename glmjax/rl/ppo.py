@@ -34,7 +34,6 @@ from flax import nnx
 
 from glmjax.config import ConfigError
 from glmjax.data.chat import ChatTemplate
-from glmjax.data.sources import DataError
 from glmjax.data.tokenizer import make_tokenizer
 from glmjax.infer import Decoder
 from glmjax.model import GLM
@@ -46,8 +45,8 @@ from glmjax.rl.env import BYTES, ENVS, SCRIPTS, run_script
 from glmjax.rl.interceptor import Interceptor
 from glmjax.rl.losses import PolicyLossConfig, loss_weights
 from glmjax.rl.rollout import RolloutBatch, RolloutWorker, Sampler, filter_groups
-from glmjax.rl.prompts import PromptsTask
-from glmjax.rl.tasks import REWARDS, TASKS, resolve_callable, resolve_tools
+from glmjax.rl.prompts import PromptsTask, TASKS
+from glmjax.rl.tasks import REWARDS, resolve_callable, resolve_tools
 from glmjax.rl.text import ChatText
 from glmjax.rl.trainer import (ACTOR_TRAINABLE, CRITIC_TRAINABLE, Placement, PPOFunctions, accumulate,
                                critic_optimizer, forward, full_state, init_value_head, make_apply)
@@ -58,9 +57,8 @@ LoadParams = Callable[[str, nnx.State], nnx.State]
 
 
 def build_task(p):
-    cls = PromptsTask if p.task == "prompts" else TASKS[p.task]
     try:
-        return cls(**p.task_args.to_dict(), heldout_fraction=p.heldout_fraction)
+        return TASKS[p.task](**p.task_args.to_dict(), heldout_fraction=p.heldout_fraction)
     except TypeError as e:
         raise ConfigError(f"ppo.task_args={p.task_args.to_dict()!r}: {e}") from e
 
@@ -226,18 +224,8 @@ class PPORun:
         self.cfg, p = validate_ppo_config(config), config.ppo
         self.p, self.task = p, build_task(p)
         self.text = build_text(p, self.cfg.vocab_size)
-        if p.task == "prompts" and self.text.template is None and any("messages" in r.row for r in self.task.rows):
-            raise ConfigError(f"ppo.tokenizer={p.tokenizer!r}: rows with 'messages' ({self.task.path}) need a "
-                              "tokenizer with a chat template ('hf:DIR')")
-        if p.task == "prompts":
-            for r in self.task.rows:
-                try:
-                    n = len(self.text.prompt(r))
-                except DataError as e:  # the template's raise_exception, a variable it lacks, ...
-                    raise DataError(f"{r.where}: {e}") from e
-                if n > p.max_prompt_len:
-                    raise ConfigError(f"{r.where}: the prompt is {n} tokens, more than ppo.max_prompt_len="
-                                      f"{p.max_prompt_len}")
+        if isinstance(self.task, PromptsTask):
+            self.task.check_prompts(self.text, p.tokenizer, p.max_prompt_len)
         reward_fn = resolve_callable(p.reward, REWARDS, "reward")
         judge = resolve_callable(p.judge, {}, "judge") if p.judge else None
         tools = resolve_tools(p.tools) if p.tools else None

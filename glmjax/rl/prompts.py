@@ -15,9 +15,10 @@ import json
 
 import numpy as np
 
+from glmjax.config import ConfigError
 from glmjax.data.chat import conversation
 from glmjax.data.sources import DataError, Skip
-from glmjax.rl.tasks import Problem, Task
+from glmjax.rl.tasks import DEMO_TASKS, Problem, Task
 
 
 def read_prompts(path: str, fields=()) -> list[Problem]:
@@ -74,6 +75,19 @@ class PromptsTask(Task):
                 raise DataError(f"prompts file {path!r}: no {'held-out' if h else 'training'} row among "
                                 f"{len(self.rows)} (ppo.heldout_fraction={heldout_fraction}: add rows or change it)")
 
+    def check_prompts(self, text, tokenizer: str, max_prompt_len: int) -> None:
+        """Every row renders with `text` (glmjax/rl/text.py, ppo.tokenizer's rule) to at most max_prompt_len tokens."""
+        if text.template is None and any("messages" in r.row for r in self.rows):
+            raise ConfigError(f"ppo.tokenizer={tokenizer!r}: rows with 'messages' ({self.path}) need a "
+                              "tokenizer with a chat template ('hf:DIR')")
+        for r in self.rows:
+            try:
+                n = len(text.prompt(r))
+            except DataError as e:  # the template's raise_exception, a variable it lacks, ...
+                raise DataError(f"{r.where}: {e}") from e
+            if n > max_prompt_len:
+                raise ConfigError(f"{r.where}: the prompt is {n} tokens, more than ppo.max_prompt_len={max_prompt_len}")
+
     def sample(self, rng: np.random.Generator, heldout: bool = False) -> Problem:
         rows = self.splits[heldout]
         return rows[rng.integers(len(rows))]
@@ -81,3 +95,6 @@ class PromptsTask(Task):
     def eval_set(self, n: int, seed: int = 1234) -> list[Problem]:
         """The first n held-out rows, in file order."""
         return self.splits[True][:n]
+
+
+TASKS: dict[str, type[Task]] = {**DEMO_TASKS, "prompts": PromptsTask}  # every ppo.task

@@ -129,7 +129,8 @@ class Sort(Reverse):
         return Problem(f"sort:{s}=", "".join(sorted(s)))
 
 
-TASKS: dict[str, type[Task]] = {"arithmetic": Arithmetic, "reverse": Reverse, "sort": Sort}
+# the built-in demos; every task, "prompts" included: glmjax.rl.prompts.TASKS
+DEMO_TASKS: dict[str, type[Task]] = {"arithmetic": Arithmetic, "reverse": Reverse, "sort": Sort}
 
 
 def safe_eval(expr: str) -> int:
