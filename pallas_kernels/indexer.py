@@ -130,7 +130,9 @@ def _kernel_call(q, k, w, q_seg, k_seg, q_idx, topk, block_q, interpret):
     q_idx = pad_axis(q_idx, 1, Sp, -1)  # padded queries see nothing
     q_seg = pad_axis(q_seg, 1, Sp)
     # Per query block: the last key any query may see (causal), and a lower bound on the first (segment start).
-    qmax = jnp.minimum(jnp.max(q_idx.reshape(B, nq, bq), axis=-1), T - 1)
+    # (the barrier keeps XLA from fusing the padding into the block reduction: that fusion crashes the TPU
+    # compiler for more than 1024 query blocks, "Check failed: llo::CouldLtS32", libtpu 0.10.2)
+    qmax = jnp.minimum(jnp.max(jax.lax.optimization_barrier(q_idx).reshape(B, nq, bq), axis=-1), T - 1)
     first = jax.vmap(lambda seg: jax.ops.segment_min(jnp.arange(T, dtype=jnp.int32), jnp.clip(seg, 0, T),
                                                      num_segments=T + 1))(k_seg)  # first key of each segment id
     kfirst = jnp.take_along_axis(first, jnp.clip(q_seg, 0, T), axis=1)

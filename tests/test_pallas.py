@@ -129,9 +129,11 @@ def test_sparse_mla_rejects_bad_input():
         sparse_mla(q, kv, idx.astype(jnp.float32), scale=SCALE, kv_lora_rank=R)
     with pytest.raises(ValueError, match="kv_lora_rank"):
         sparse_mla(q, kv, idx, scale=SCALE, kv_lora_rank=C + 1)
-    with pytest.raises(ValueError, match="too long"):  # the VMEM dkv accumulator bounds T
-        jax.eval_shape(lambda q, kv: sparse_mla(q, kv, idx, scale=SCALE, kv_lora_rank=R), q,
-                       jax.ShapeDtypeStruct((B_MLA, 100_000, C), jnp.float32))
+    with pytest.raises(ValueError, match="layout"):
+        sparse_mla(q, kv, idx, scale=SCALE, kv_lora_rank=R, layout="packed")  # f32 cache
+    with pytest.raises(ValueError, match="T=11 must be even"):
+        sparse_mla(q.astype(jnp.bfloat16), kv[:, :11].astype(jnp.bfloat16), idx, scale=SCALE, kv_lora_rank=R,
+                   layout="pairs")
 
 
 def test_race_detector_is_live():
@@ -298,9 +300,10 @@ def test_pallas_kernels_import_nothing_of_glmjax():
     assert out.strip() == "[]"
 
 
-def test_attention_impl_selects_the_kernels():
+def test_attention_impl_selects_the_kernels(monkeypatch):
     """The whole model in sparse mode with the indexer KL traces the two Pallas kernels with attention_impl="pallas",
-    and none with "xla"."""
+    and none with "xla" (in the "fast" interpret mode: "checked" hides the pallas_call inside a pure_callback)."""
+    monkeypatch.setenv(pallas_kernels.common.INTERPRET_ENV, "fast")
     def jaxpr(impl):
         cfg = tiny(attention_impl=impl, num_hidden_layers=2, indexer_types=("full", "shared"), mtp_depth=0,
                    num_nextn_predict_layers=0)
