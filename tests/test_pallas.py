@@ -25,6 +25,7 @@ from glmjax.model import indexer as ref_indexer
 from glmjax.model.sparse_attention import sparse_mla_xla
 from helpers import batch_from_docs, random_batch, tiny
 from pallas_kernels import index_topk, index_topk_reference, sparse_mla, sparse_mla_reference
+from pallas_kernels.sparse_mla import cache_layout
 
 
 def segments(B, lengths):
@@ -150,6 +151,87 @@ def test_race_detector_is_live():
                    scratch_shapes=[pltpu.VMEM(x.shape, x.dtype), pltpu.SemaphoreType.DMA((1,))],
                    interpret=pallas_kernels.common.interpret_params("checked"))(x).block_until_ready()
     assert tpu_interpret.races.races_found
+
+
+T_LONG = 20_000  # > 16,384, the old bound of the kernels (still > 2·S·k: the automatic layout for bf16 is "pairs")
+
+
+def long_cache_inputs(dtype, S, K, seed=0):
+    """q [1,S,H,C], kv [1,T_LONG,C], indices [1,S,K]: every query picks most of its rows from a pool of 10 (the
+    last 8 rows, row 0 and row 17,001), so consecutive queries update the same dkv rows; plus one far row of its
+    own, and -1 holes."""
+    ks = jax.random.split(jax.random.key(seed), 5)
+    q = jax.random.normal(ks[0], (1, S, H, C), jnp.float32).astype(dtype)
+    kv = jax.random.normal(ks[1], (1, T_LONG, C), jnp.float32).astype(dtype)
+    pool = jnp.array([T_LONG - 1 - i for i in range(8)] + [0, 17_001], jnp.int32)
+    picks = jax.vmap(lambda k: jax.random.permutation(k, pool)[:K - 2])(jax.random.split(ks[2], S))  # distinct
+    own = jax.random.randint(ks[3], (S, 1), 1, 17_000, jnp.int32)
+    idx = jnp.concatenate([picks, own, jnp.full((S, 1), -1, jnp.int32)], axis=1)
+    idx = jnp.where(jax.random.uniform(ks[4], idx.shape) < 0.15, -1, idx)
+    return q, kv, jax.vmap(lambda k, row: jax.random.permutation(k, row))(jax.random.split(ks[4], S), idx)[None]
+
+
+@pytest.mark.parametrize("dtype,layout,in_vmem,S", [
+    (jnp.float32, None, False, 4),  # HBM dkv accumulator, read-modify-write DMAs
+    (jnp.bfloat16, "packed", False, 4),  # uint32 words split in the kernel
+    (jnp.bfloat16, None, True, 2),  # decode-like: the automatic layout ("pairs"), VMEM accumulator
+])
+def test_sparse_mla_long_cache_checked(dtype, layout, in_vmem, S):
+    """T = 20,000 > 16,384 against the XLA reference, forward and backward (dq, dkv), in the checked interpreter
+    (DMA race detection, DMAs executed when waited on). k = 12 in chunks of 8 (two chunks, read semaphores per
+    chunk). Most rows are selected by several consecutive queries: without the wait for the previous query's dkv
+    writes, its reads see stale rows and updates are lost."""
+    K = 12
+    q, kv, idx = long_cache_inputs(dtype, S, K)
+    counts = jnp.zeros(T_LONG, jnp.int32).at[jnp.where(idx[0] >= 0, idx[0], T_LONG)].add(1, mode="drop")
+    assert (idx == -1).any() and int(jnp.sum(counts >= S)) >= 3  # holes, and rows that every query updates
+    assert all(len(set(r) - {-1}) == (r >= 0).sum() for r in np.asarray(idx[0]))  # distinct within a query
+    if layout is None and dtype == jnp.bfloat16:
+        assert cache_layout(dtype, S, T_LONG, K) == "pairs"
+    ct = jax.random.normal(jax.random.key(7), (1, S, H, R))
+    kw = dict(interpret="checked", block_k=8, layout=layout, dkv_in_vmem=in_vmem)
+    out, lse = jax.jit(lambda *a: sparse_mla(*a, scale=SCALE, kv_lora_rank=R, **kw))(q, kv, idx)
+    assert no_races()
+    dq, dkv = jax.jit(jax.grad(mla_loss(sparse_mla, idx, ct, **kw), (0, 1)))(q, kv)
+    assert no_races()
+    ref_out, ref_lse = sparse_mla_reference(q, kv, idx, scale=SCALE, kv_lora_rank=R)
+    rq, rkv = jax.jit(jax.grad(mla_loss(sparse_mla_reference, idx, ct), (0, 1)))(q, kv)
+    tol_out, tol_grad = (1e-5, 1e-4) if dtype == jnp.float32 else (3e-2, 6e-2)
+    np.testing.assert_allclose(out.astype(jnp.float32), ref_out.astype(jnp.float32), atol=tol_out, rtol=tol_out)
+    np.testing.assert_allclose(finite(lse), finite(ref_lse), atol=tol_out, rtol=tol_out)
+    for a, b in [(dq, rq), (dkv, rkv)]:
+        assert a.dtype == dtype
+        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+        scale = float(jnp.max(jnp.abs(b)))
+        np.testing.assert_allclose(a / scale, b / scale, atol=tol_grad)
+    assert (jnp.abs(rkv[0][counts >= S]) > 0).any()  # rows updated by several queries carry gradient
+    assert (dkv[0][counts == 0] == 0).all()  # rows nobody selected get none
+
+
+def test_sparse_mla_picks_the_dkv_accumulator_by_size():
+    """VMEM accumulator while T·C·4 <= 40 MiB (no aliased zero slabs), HBM beyond (zero slabs aliased to dkv)."""
+    def bwd_aliases(T, C):
+        q = jax.ShapeDtypeStruct((1, 4, H, C), jnp.float32)
+        kv = jax.ShapeDtypeStruct((1, T, C), jnp.float32)
+        idx = jax.ShapeDtypeStruct((1, 4, 8), jnp.int32)
+        grad = jax.grad(lambda q, kv, i: jnp.sum(sparse_mla(q, kv, i, scale=SCALE, kv_lora_rank=R,
+                                                            interpret="fast")[0]), (0, 1))
+        (bwd,) = [e for e in _all_eqns(jax.make_jaxpr(grad)(q, kv, idx).jaxpr)
+                  if e.primitive.name == "pallas_call" and e.params["name"] == "sparse_mla_bwd"]
+        return bwd.params["input_output_aliases"]
+
+    assert bwd_aliases(81_920, C) == ()  # 81,920 x 128 lanes x 4 B = 40 MiB
+    assert bwd_aliases(81_928, C) != ()
+
+
+def _all_eqns(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for v in eqn.params.values():
+            for sub in v if isinstance(v, (tuple, list)) else (v,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    yield from _all_eqns(sub)
 
 
 # ------------------------------------------------------------------------------------------------ indexer top-k
