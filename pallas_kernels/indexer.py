@@ -43,7 +43,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.common import interpret_params, lane_padded, pad_axis, round_up, vmem_limit
+from pallas_kernels.common import call, interpret_params, lane_padded, pad_axis, round_up, vmem_limit
 
 f32 = jnp.float32
 NO_KEY = jnp.iinfo(jnp.int32).max  # key index of the running list's initial (-inf) entries
@@ -150,7 +150,8 @@ def _kernel_call(q, k, w, q_seg, k_seg, q_idx, topk, block_q, interpret):
     isz = q.dtype.itemsize
     need = (2 * HI * lane_padded(bq, D, isz) + 2 * lane_padded(bk, D, isz) + 4 * lane_padded(bq, K, 4)
             + 10 * lane_padded(bq, max(K, bk), 4) + 2 * lane_padded(bq, HI, 4))
-    ids, vals = pl.pallas_call(
+    mode = interpret_params(interpret)
+    kernel = pl.pallas_call(
         functools.partial(_topk_kernel, T=T, bk=bk, K=K, scale=D ** -0.5),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
@@ -171,9 +172,11 @@ def _kernel_call(q, k, w, q_seg, k_seg, q_idx, topk, block_q, interpret):
                                              vmem_limit_bytes=vmem_limit(need)),
         cost_estimate=pl.CostEstimate(flops=2 * B * Sp * Tp * HI * D, transcendentals=0,
                                       bytes_accessed=qt.size * isz + nq * kp.size * isz + B * Sp * K * 8),
-        interpret=interpret_params(interpret),
+        interpret=mode,
         name="index_topk",
-    )(qmax.astype(jnp.int32), kmin.astype(jnp.int32), qt, kp, wp, q_idx[..., None], q_seg[..., None], ksp)
+    )
+    ids, vals = call(kernel, mode, qmax.astype(jnp.int32), kmin.astype(jnp.int32), qt, kp, wp, q_idx[..., None],
+                     q_seg[..., None], ksp)
     return ids[:, :S, :kk], vals[:, :S, :kk]
 
 
