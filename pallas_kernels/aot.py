@@ -52,10 +52,11 @@ def compile_kernel(topology: str, kernel: str, shapes: dict | None = None):
     n = devices.size
     mesh = Mesh(devices, ("chips",))
 
-    def arg(shape, dtype):  # row-major in HBM, as a model step's producers write them (not XLA's free choice)
-        rank = len(shape) + 1
-        return jax.ShapeDtypeStruct((n,) + shape, dtype, sharding=Format(Layout(tuple(range(rank))),
-                                                                         NamedSharding(mesh, P("chips"))))
+    def row_major(rank):  # operands and results row-major in HBM, as a model step's producers and consumers
+        return Format(Layout(tuple(range(rank))), NamedSharding(mesh, P("chips")))  # (not XLA's free choice)
+
+    def arg(shape, dtype):
+        return jax.ShapeDtypeStruct((n,) + shape, dtype, sharding=row_major(len(shape) + 1))
 
     bf16 = jnp.bfloat16
     attend = functools.partial(sparse_mla, scale=SCALE, kv_lora_rank=R, interpret=False, **kw)
@@ -75,7 +76,9 @@ def compile_kernel(topology: str, kernel: str, shapes: dict | None = None):
         args = (arg((S, HI, DI), bf16), arg((T, DI), bf16), arg((S, HI), jnp.float32), arg((T,), jnp.int32))
     else:
         raise ValueError(f"kernel {kernel!r}: must be 'sparse_mla', 'sparse_mla_fwd' or 'index_topk'")
-    fn = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("chips"), out_specs=P("chips"), check_vma=False))
+    body = jax.shard_map(f, mesh=mesh, in_specs=P("chips"), out_specs=P("chips"), check_vma=False)
+    outs = jax.tree.map(lambda o: row_major(o.ndim), jax.eval_shape(body, *args))
+    fn = jax.jit(body, out_shardings=outs)
     cache = jax.config.jax_enable_compilation_cache  # a topology executable cannot be stored / reloaded
     jax.config.update("jax_enable_compilation_cache", False)
     try:

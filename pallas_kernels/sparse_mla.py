@@ -97,7 +97,7 @@ def block_sizes(S: int, K: int, block_q: int, backward: bool, block_k: int | Non
 
 def cache_layout(dtype, S: int, T: int, K: int) -> str:
     """The layout the kernels gather the cache in (the table in the module docstring)."""
-    if dtype != jnp.bfloat16:
+    if jnp.dtype(dtype) != jnp.bfloat16:
         return "f32"
     return "packed" if S * K > 2 * T or T % 2 else "pairs"
 
@@ -175,8 +175,8 @@ def pack_bf16(kv):
     """[B,T,C] bf16 -> [B,T,W] uint32, W = ceil(C/2): word w holds column w in its low 16 bits and column W + w
     (0 past C) in its high 16 bits. The "packed" layout's HBM array, the byte size of the bf16 cache."""
     W = -(-kv.shape[2] // 2)
-    bits = pad_axis(jax.lax.bitcast_convert_type(kv, jnp.uint16), 2, 2 * W).astype(u32)
-    return bits[..., :W] | (bits[..., W:] << 16)
+    bits = lambda half: jax.lax.bitcast_convert_type(half, jnp.uint16).astype(u32)  # (slices first: one fusion)
+    return bits(kv[..., :W]) | (bits(pad_axis(kv[..., W:], 2, W)) << 16)
 
 
 def _cache_operand(kv, layout: str):
