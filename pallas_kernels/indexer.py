@@ -32,6 +32,13 @@ Block sizes (K = k' rounded up to a power of two, at least 128):
 
 GLM-5 (H_I 32, d_I 128, k 2048, S 8192): bq 128, bk 512, K 2048; Mosaic reports 16.9 MiB of VMEM used (running
 list 2 MiB, q block 1 MiB double-buffered, sort and merge temporaries).
+
+Context length. Nothing in VMEM or SMEM depends on T (keys stream through [bk, d_I] blocks); SMEM holds the two
+[B, S/bq] block bounds. Around the kernel, XLA transposes q (S·H_I·d_I·2 bytes of HBM) and finds each segment's
+first key (O(T) int32). 17.5 MiB of VMEM at S = T = 202,752 and at 1,048,576 (v5p, bench/pallas_aot.py); decode
+(S = 16) against T = 1,048,576 uses 5.7 MiB. What used to bound it: XLA fused the padding of q_idx into the per-block
+maximum, and that fusion crashed the TPU compiler beyond 1024 query blocks (S > 131,072); an optimization barrier
+keeps them apart.
 """
 from __future__ import annotations
 

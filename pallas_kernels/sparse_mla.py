@@ -5,7 +5,7 @@ the model's XLA path):
 q [B,S,H,C] (absorbed nope part R + rope part, C = R + d_r = 576 for GLM-5), kv [B,T,C] latent cache,
 indices [B,S,k] int32 (-1 = ignore) -> out [B,S,H,R] (dtype of q), lse [B,S,H] f32 (-inf for a query with no
 valid index). Every head of a query attends over the same k gathered rows; values are the first R columns. No
-buffer depends on T except the cache itself (and, backward, dkv): T up to 2^31 rows.
+buffer depends on T except the cache (its packed copy for "packed") and, backward, dkv: any T < 2^31.
 
 Gather. The k rows of each query are copied from HBM into VMEM by k row DMAs whose addresses come from the query
 block's indices, held in SMEM. Rows go into a two-slot buffer: while query t is computed from one slot, the DMAs of
@@ -21,7 +21,8 @@ of its (16,128) tiles), so the cache is read in one of three layouts (`cache_lay
     | "pairs"  | bf16, S·k <= 2·T, T even | kv itself, the row's aligned pair  | 4·C                    | none        |
 
 "packed" (training, prefill): word w of a row holds column w in its low 16 bits and column W + w in its high 16
-bits (W = ceil(C/2)), built by one elementwise XLA pass (a copy of the bf16 cache's size, no float32 copy); the
+bits (W = ceil(C/2)), built by one elementwise XLA pass (a copy of the bf16 cache's size: 1.2x in HBM at C = 576,
+where 288 words pad to 384 lanes against 576 columns to 640; no float32 copy); the
 kernel splits a [kc, W] block of words into two float32 halves by a shift and a mask (a bf16 is the high half of
 its float32) and joins them into [kc, C]. "pairs" (decode: few queries against a long cache): no copy at all; the
 DMA reads rows 2⌊r/2⌋ and 2⌊r/2⌋+1 (whole 32-bit words), the block is viewed as uint32 words (`pltpu.bitcast`:
@@ -62,8 +63,10 @@ Block sizes (queries per grid step bq, gathered rows per chunk kc), chosen by `b
     | backward | min(8,  S rounded to 8) | rounded up to 128 (to 8 when k < 128)           |
 
 bq is further capped by the caller's block_q. GLM-5 (H = 64, C = 576, k = 2048, bf16): kc = 512, 4 chunks. VMEM
-Mosaic reports (bench/pallas_aot.py, docs/benchmarks.md): forward 10.6 MiB ("packed") / 15.2 MiB ("pairs")
-whatever T; backward 31.6 MiB at T = 8192 (VMEM accumulator), 15.9 MiB for the HBM accumulator at any T.
+Mosaic reports on v5p (bench/pallas_aot.py, docs/benchmarks.md), whatever T: forward 11.6 MiB ("packed", mostly
+the 2·2048·288·4-byte gather slots), 12.3 / 13.5 MiB at S = 1 / 16 ("pairs"); backward 32.4 MiB with the VMEM
+accumulator at T = 8192 (+ its 8192·640·4 bytes), 17.4 MiB with the HBM accumulator (+ the 2048·640·4-byte
+read-modify-write buffer) at T = 202,752 or any other length.
 """
 from __future__ import annotations
 
