@@ -89,8 +89,9 @@ def test_sparse_mla_grads_f32_checked():
     assert (~selected).any() and (dkv[~selected] == 0).all()  # keys nobody selected get no gradient
 
 
-@pytest.mark.parametrize("block_k", [None, 8])  # the table's single chunk, and 3 chunks of online softmax
-def test_sparse_mla_multi_chunk_and_bf16_fast(block_k):
+def test_sparse_mla_multi_chunk_and_bf16_fast():
+    """3 chunks of online softmax (the table's single chunk: the checked tests above)."""
+    block_k = 8
     B, S, K = 2, 29, 24
     ct = jax.random.normal(jax.random.key(3), (B, S, H, R))
 
@@ -316,6 +317,12 @@ def test_index_topk_decode_cache_and_short_cache():
     got, want = both(32, q, k, w, seg, seg)
     assert got[0].shape == (1, 12, 12)
     assert_topk_equal(got, want)
+    T = 20_000  # a long cache (157 key blocks); the middle query's document is keys 100..18,999
+    q, k, w = indexer_inputs(1, 3, T, seed=3)
+    k_seg = jnp.ones((1, T), jnp.int32).at[:, 100:19_000].set(2)
+    got, want = both(K, q, k, w, jnp.array([[1, 2, 1]], jnp.int32), k_seg, jnp.array([[T - 3, T - 2, T - 1]]))
+    assert_topk_equal(got, want)
+    assert ((got[0][0, 1] >= 100) & (got[0][0, 1] < 19_000)).all() and (got[0][0, 0] < 100).any()
 
 
 def test_index_topk_score_gradients():
