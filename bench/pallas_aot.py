@@ -82,17 +82,17 @@ def main():
     for topology, kernel, shapes in ROWS:
         if topology.startswith(a.only):
             rows.append(measure(topology, kernel, shapes))
-            print(f"{topology} {kernel} S={rows[-1]['S']} T={rows[-1]['T']}: compiled in {rows[-1]['compile_s']:.1f} s",
-                  flush=True)
+            r = rows[-1]
+            print(f"{topology} {kernel} S={r['S']} T={r['T']}: compiled in {r['compile_s']:.1f} s", flush=True)
     print("\n| topology | kernel | S | T | layout | HBM args MiB | outputs MiB | temp MiB | VMEM used MiB | compile s "
           "| GFLOP | GB accessed | XLA est. ms |")
     print("|---|---|---:|---:|---|---:|---:|---:|---|---:|---:|---:|---:|")
     for r in rows:
         vmem = ", ".join(f"{k} {v:.1f}" for k, v in r["vmem_mib"].items())
         est = f"{r['est_ms']:.1f}" if r["est_ms"] >= 0 else "n/a"  # XLA reports a negative time when it has none
-        print(f"| {r['topology']} | {r['kernel']} | {r['S']:,} | {r['T']:,} | {r['variant']} | {r['argument_mib']:.1f} | "
-              f"{r['output_mib']:.1f} | {r['temp_mib']:.1f} | {vmem} | {r['compile_s']:.1f} | {r['gflop']:.0f} | "
-              f"{r['gb_accessed']:.1f} | {est} |")
+        print(f"| {r['topology']} | {r['kernel']} | {r['S']:,} | {r['T']:,} | {r['variant']} | "
+              f"{r['argument_mib']:.1f} | {r['output_mib']:.1f} | {r['temp_mib']:.1f} | {vmem} | {r['compile_s']:.1f} | "
+              f"{r['gflop']:.0f} | {r['gb_accessed']:.1f} | {est} |")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -14,19 +14,19 @@ kc rows with one DMA semaphore per chunk, so the softmax of chunk c starts as so
 fetch row 0 and are masked. Mosaic cannot DMA one row of a 16-bit array (two rows share each 32-bit sublane word
 of its (16,128) tiles), so the cache is read in one of three layouts (`cache_layout`), chosen by bytes moved:
 
-    | layout   | cache                    | HBM array the DMAs read            | bytes per gathered row | extra pass  |
-    |----------|--------------------------|------------------------------------|------------------------|-------------|
-    | "f32"    | float32 (other dtypes: an f32 copy) | kv itself               | 4·C                    | none        |
-    | "packed" | bf16, S·k > 2·T          | [B,T,ceil(C/2)] uint32 words       | 2·C                    | 4·T·C bytes |
-    | "pairs"  | bf16, S·k <= 2·T, T even | kv itself, the row's aligned pair  | 4·C                    | none        |
+    | layout   | cache                       | HBM array the DMAs read           | bytes per row | extra pass  |
+    |----------|-----------------------------|-----------------------------------|---------------|-------------|
+    | "f32"    | float32 (others: f32 copy)  | kv itself                         | 4·C           | none        |
+    | "packed" | bf16, S·k > 2·T             | [B,T,ceil(C/2)] uint32 words      | 2·C           | 4·T·C bytes |
+    | "pairs"  | bf16, S·k <= 2·T, T even    | kv itself, the row's aligned pair | 4·C           | none        |
 
 "packed" (training, prefill): word w of a row holds column w in its low 16 bits and column W + w in its high 16
 bits (W = ceil(C/2)), built by one elementwise XLA pass (a copy of the bf16 cache's size: 1.2x in HBM at C = 576,
-where 288 words pad to 384 lanes against 576 columns to 640; no float32 copy); the
-kernel splits a [kc, W] block of words into two float32 halves by a shift and a mask (a bf16 is the high half of
-its float32) and joins them into [kc, C]. "pairs" (decode: few queries against a long cache): no copy at all; the
-DMA reads rows 2⌊r/2⌋ and 2⌊r/2⌋+1 (whole 32-bit words), the block is viewed as uint32 words (`pltpu.bitcast`:
-row 2i in the low, row 2i+1 in the high halves) and each gathered row keeps the half its index's parity names.
+where 288 words pad to 384 lanes against 576 columns to 640; no float32 copy); the kernel splits a [kc, W] block of
+words into two float32 halves by a shift and a mask (a bf16 is the high half of its float32) and joins them into
+[kc, C]. "pairs" (decode: few queries against a long cache): no copy at all; the DMA reads rows 2⌊r/2⌋ and 2⌊r/2⌋+1
+(whole 32-bit words), the block is viewed as uint32 words (`pltpu.bitcast`: row 2i in the low, row 2i+1 in the
+high halves) and each gathered row keeps the half its index's parity names.
 Packing costs 4·T·C bytes once per call and saves 2·C bytes per gathered row, so it pays when S·k > 2·T.
 
 Forward. Per query: online softmax over the chunks in float32 (running max m, sum l, accumulator [H,R]);

@@ -172,8 +172,8 @@ def long_cache_inputs(dtype, S, K, seed=0):
 def test_sparse_mla_long_cache_checked(dtype, layout, in_vmem, S):
     """T = 20,000 > 16,384 against the XLA reference, forward and backward (dq, dkv; decode: forward), in the checked
     interpreter (DMA race detection, DMAs executed when waited on). k = 12 in chunks of 8 (two chunks, read
-    semaphores per chunk). Most rows are selected by several consecutive queries: without the wait for the previous query's dkv
-    writes, its reads see stale rows and updates are lost."""
+    semaphores per chunk). Most rows are selected by several consecutive queries: without the wait for the previous
+    query's dkv writes, its reads see stale rows and updates are lost."""
     K = 12
     q, kv, idx = long_cache_inputs(dtype, S, K)
     counts = jnp.zeros(T_LONG, jnp.int32).at[jnp.where(idx[0] >= 0, idx[0], T_LONG)].add(1, mode="drop")
