@@ -91,7 +91,8 @@ def main():
         vmem = ", ".join(f"{k} {v:.1f}" for k, v in r["vmem_mib"].items())
         est = f"{r['est_ms']:.1f}" if r["est_ms"] >= 0 else "n/a"  # XLA reports a negative time when it has none
         print(f"| {r['topology']} | {r['kernel']} | {r['S']:,} | {r['T']:,} | {r['variant']} | "
-              f"{r['argument_mib']:.1f} | {r['output_mib']:.1f} | {r['temp_mib']:.1f} | {vmem} | {r['compile_s']:.1f} | "
+              f"{r['argument_mib']:.1f} | {r['output_mib']:.1f} | {r['temp_mib']:.1f} | {vmem} | "
+              f"{r['compile_s']:.1f} | "
               f"{r['gflop']:.0f} | {r['gb_accessed']:.1f} | {est} |")
     if a.json:
         with open(a.json, "w") as f:
