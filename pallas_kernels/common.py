@@ -1,4 +1,4 @@
-"""Helpers shared by the Pallas kernels: interpret-mode selection, padding, and the VMEM limit."""
+"""Helpers shared by the Pallas kernels: interpret-mode selection and calling, padding, and the VMEM limit."""
 from __future__ import annotations
 
 import os
@@ -22,6 +22,7 @@ def interpret_params(interpret: bool | str | None):
                  DMA on CPU: for small shapes.
       "fast":    the discharge interpreter (`interpret=True`): the kernel becomes plain XLA ops and DMAs become
                  copies; no checks, but fast enough to train a tiny model.
+    Both work under `jax.checkpoint` (see `call`).
     """
     if interpret is None:
         interpret = jax.default_backend() != "tpu"
@@ -33,6 +34,18 @@ def interpret_params(interpret: bool | str | None):
     if mode == "fast":
         return True
     raise ValueError(f"Pallas interpret mode {mode!r} (${INTERPRET_ENV} or interpret=): must be 'checked' or 'fast'")
+
+
+def call(kernel, mode, *args):
+    """kernel(*args) for a `pl.pallas_call` built with interpret=`mode` (from `interpret_params`). The "checked"
+    interpreter runs the kernel through ordered io_callbacks, effects that `jax.checkpoint` cannot partially evaluate
+    ("Effects not supported in partial-eval of checkpoint/remat"); the kernel is a pure function of its operands, so
+    in that mode it runs inside a `jax.pure_callback` (the interpreter, checks included, executes on the host when
+    the callback fires) and remat may recompute it like any other op. Compiled and "fast" kernels are called as
+    they are."""
+    if not isinstance(mode, pltpu.InterpretParams):
+        return kernel(*args)
+    return jax.pure_callback(jax.jit(kernel), jax.eval_shape(kernel, *args), *args, vmap_method="sequential")
 
 
 def round_up(x: int, m: int) -> int:

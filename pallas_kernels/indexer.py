@@ -32,6 +32,13 @@ Block sizes (K = k' rounded up to a power of two, at least 128):
 
 GLM-5 (H_I 32, d_I 128, k 2048, S 8192): bq 128, bk 512, K 2048; Mosaic reports 16.9 MiB of VMEM used (running
 list 2 MiB, q block 1 MiB double-buffered, sort and merge temporaries).
+
+Context length. Nothing in VMEM or SMEM depends on T (keys stream through [bk, d_I] blocks); SMEM holds the two
+[B, S/bq] block bounds. Around the kernel, XLA transposes q (S·H_I·d_I·2 bytes of HBM) and finds each segment's
+first key (O(T) int32). 17.5 MiB of VMEM at S = T = 202,752 and at 1,048,576 (v5p, bench/pallas_aot.py); decode
+(S = 16) against T = 1,048,576 uses 5.7 MiB. What used to bound it: XLA fused the padding of q_idx into the per-block
+maximum, and that fusion crashed the TPU compiler beyond 1024 query blocks (S > 131,072); an optimization barrier
+keeps them apart.
 """
 from __future__ import annotations
 
@@ -43,7 +50,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.common import interpret_params, lane_padded, pad_axis, round_up, vmem_limit
+from pallas_kernels.common import call, interpret_params, lane_padded, pad_axis, round_up, vmem_limit
 
 f32 = jnp.float32
 NO_KEY = jnp.iinfo(jnp.int32).max  # key index of the running list's initial (-inf) entries
@@ -130,7 +137,9 @@ def _kernel_call(q, k, w, q_seg, k_seg, q_idx, topk, block_q, interpret):
     q_idx = pad_axis(q_idx, 1, Sp, -1)  # padded queries see nothing
     q_seg = pad_axis(q_seg, 1, Sp)
     # Per query block: the last key any query may see (causal), and a lower bound on the first (segment start).
-    qmax = jnp.minimum(jnp.max(q_idx.reshape(B, nq, bq), axis=-1), T - 1)
+    # (the barrier keeps XLA from fusing the padding into the block reduction: that fusion crashes the TPU
+    # compiler for more than 1024 query blocks, "Check failed: llo::CouldLtS32", libtpu 0.10.2)
+    qmax = jnp.minimum(jnp.max(jax.lax.optimization_barrier(q_idx).reshape(B, nq, bq), axis=-1), T - 1)
     first = jax.vmap(lambda seg: jax.ops.segment_min(jnp.arange(T, dtype=jnp.int32), jnp.clip(seg, 0, T),
                                                      num_segments=T + 1))(k_seg)  # first key of each segment id
     kfirst = jnp.take_along_axis(first, jnp.clip(q_seg, 0, T), axis=1)
@@ -148,7 +157,8 @@ def _kernel_call(q, k, w, q_seg, k_seg, q_idx, topk, block_q, interpret):
     isz = q.dtype.itemsize
     need = (2 * HI * lane_padded(bq, D, isz) + 2 * lane_padded(bk, D, isz) + 4 * lane_padded(bq, K, 4)
             + 10 * lane_padded(bq, max(K, bk), 4) + 2 * lane_padded(bq, HI, 4))
-    ids, vals = pl.pallas_call(
+    mode = interpret_params(interpret)
+    kernel = pl.pallas_call(
         functools.partial(_topk_kernel, T=T, bk=bk, K=K, scale=D ** -0.5),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
@@ -169,9 +179,11 @@ def _kernel_call(q, k, w, q_seg, k_seg, q_idx, topk, block_q, interpret):
                                              vmem_limit_bytes=vmem_limit(need)),
         cost_estimate=pl.CostEstimate(flops=2 * B * Sp * Tp * HI * D, transcendentals=0,
                                       bytes_accessed=qt.size * isz + nq * kp.size * isz + B * Sp * K * 8),
-        interpret=interpret_params(interpret),
+        interpret=mode,
         name="index_topk",
-    )(qmax.astype(jnp.int32), kmin.astype(jnp.int32), qt, kp, wp, q_idx[..., None], q_seg[..., None], ksp)
+    )
+    ids, vals = call(kernel, mode, qmax.astype(jnp.int32), kmin.astype(jnp.int32), qt, kp, wp, q_idx[..., None],
+                     q_seg[..., None], ksp)
     return ids[:, :S, :kk], vals[:, :S, :kk]
 
 

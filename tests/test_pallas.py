@@ -25,6 +25,7 @@ from glmjax.model import indexer as ref_indexer
 from glmjax.model.sparse_attention import sparse_mla_xla
 from helpers import batch_from_docs, random_batch, tiny
 from pallas_kernels import index_topk, index_topk_reference, sparse_mla, sparse_mla_reference
+from pallas_kernels.sparse_mla import cache_layout
 
 
 def segments(B, lengths):
@@ -67,18 +68,6 @@ def mla_inputs(dtype=jnp.float32, B=B_MLA, S=S_MLA, K=K_MLA, seed=0):
     return q, kv, jnp.where((idx == 2) | (idx == S - 3), -1, idx)  # two keys nobody selects
 
 
-def test_sparse_mla_forward_f32_checked():
-    q, kv, idx = mla_inputs()
-    assert (idx[:, :4] == -1).any() and ((idx[:, -1] >= 0).sum(-1) >= K_MLA // 2).all()  # short and full rows
-    out, lse = jax.jit(lambda *a: sparse_mla(*a, scale=SCALE, kv_lora_rank=R, interpret="checked"))(q, kv, idx)
-    assert no_races()
-    ref_out, ref_lse = sparse_mla_reference(q, kv, idx, scale=SCALE, kv_lora_rank=R)
-    assert out.shape == (B_MLA, S_MLA, H, R) and lse.shape == (B_MLA, S_MLA, H)
-    np.testing.assert_allclose(out, ref_out, atol=1e-5, rtol=1e-5)
-    np.testing.assert_array_equal(jnp.isinf(lse), jnp.isinf(ref_lse))
-    np.testing.assert_allclose(finite(lse), finite(ref_lse), atol=1e-5, rtol=1e-5)
-
-
 def mla_loss(fn, idx, ct, **kw):
     """Scalar loss through both outputs: <out, ct> + 0.5 * sum of the finite lse."""
     def loss(q, kv):
@@ -100,20 +89,25 @@ def test_sparse_mla_grads_f32_checked():
     assert (~selected).any() and (dkv[~selected] == 0).all()  # keys nobody selected get no gradient
 
 
-@pytest.mark.parametrize("block_k", [None, 8])  # the table's single chunk, and 3 chunks of online softmax
-def test_sparse_mla_multi_chunk_and_bf16_fast(block_k):
+def test_sparse_mla_multi_chunk_and_bf16_fast():
+    """3 chunks of online softmax (the table's single chunk: the checked tests above), batch 2, f32 and both bf16
+    layouts, forward and backward."""
     B, S, K = 2, 29, 24
     ct = jax.random.normal(jax.random.key(3), (B, S, H, R))
 
-    @jax.jit
-    def both(q, kv, idx):
-        kw = dict(interpret="fast", block_k=block_k)
+    @functools.partial(jax.jit, static_argnums=3)
+    def both(q, kv, idx, layout):
+        kw = dict(interpret="fast", block_k=8, layout=layout)
         return (sparse_mla(q, kv, idx, scale=SCALE, kv_lora_rank=R, **kw), sparse_mla_reference(q, kv, idx, scale=SCALE,
                 kv_lora_rank=R), jax.grad(mla_loss(sparse_mla, idx, ct, **kw), (0, 1))(q, kv),
                 jax.grad(mla_loss(sparse_mla_reference, idx, ct), (0, 1))(q, kv))
 
-    for dtype, tol_out, tol_grad in [(jnp.float32, 1e-5, 1e-4), (jnp.bfloat16, 3e-2, 6e-2)]:
-        (out, lse), (ref_out, ref_lse), g, rg = both(*mla_inputs(dtype, B, S, K, seed=1))
+    for dtype, layout, tol_out, tol_grad in [(jnp.float32, None, 1e-5, 1e-4), (jnp.bfloat16, "packed", 3e-2, 6e-2),
+                                             (jnp.bfloat16, "pairs", 3e-2, 6e-2)]:
+        q, kv, idx = mla_inputs(dtype, B, S, K, seed=1)
+        if layout == "pairs":  # T must be even: one more row, never selected
+            kv = jnp.pad(kv, ((0, 0), (0, 1), (0, 0)))
+        (out, lse), (ref_out, ref_lse), g, rg = both(q, kv, idx, layout)
         assert out.dtype == dtype
         np.testing.assert_allclose(out.astype(jnp.float32), ref_out.astype(jnp.float32), atol=tol_out, rtol=tol_out)
         np.testing.assert_allclose(finite(lse), finite(ref_lse), atol=tol_out, rtol=tol_out)
@@ -129,9 +123,11 @@ def test_sparse_mla_rejects_bad_input():
         sparse_mla(q, kv, idx.astype(jnp.float32), scale=SCALE, kv_lora_rank=R)
     with pytest.raises(ValueError, match="kv_lora_rank"):
         sparse_mla(q, kv, idx, scale=SCALE, kv_lora_rank=C + 1)
-    with pytest.raises(ValueError, match="too long"):  # the VMEM dkv accumulator bounds T
-        jax.eval_shape(lambda q, kv: sparse_mla(q, kv, idx, scale=SCALE, kv_lora_rank=R), q,
-                       jax.ShapeDtypeStruct((B_MLA, 100_000, C), jnp.float32))
+    with pytest.raises(ValueError, match="layout"):
+        sparse_mla(q, kv, idx, scale=SCALE, kv_lora_rank=R, layout="packed")  # f32 cache
+    with pytest.raises(ValueError, match="T=11 must be even"):
+        sparse_mla(q.astype(jnp.bfloat16), kv[:, :11].astype(jnp.bfloat16), idx, scale=SCALE, kv_lora_rank=R,
+                   layout="pairs")
 
 
 def test_race_detector_is_live():
@@ -148,6 +144,90 @@ def test_race_detector_is_live():
                    scratch_shapes=[pltpu.VMEM(x.shape, x.dtype), pltpu.SemaphoreType.DMA((1,))],
                    interpret=pallas_kernels.common.interpret_params("checked"))(x).block_until_ready()
     assert tpu_interpret.races.races_found
+
+
+T_LONG = 20_000  # > 16,384, the old bound of the kernels (still > 2·S·k: the automatic layout for bf16 is "pairs")
+
+
+def long_cache_inputs(dtype, S, K, seed=0):
+    """q [1,S,H,C], kv [1,T_LONG,C], indices [1,S,K]: every query picks most of its rows from a pool of 10 (the
+    last 8 rows, row 0 and row 17,001), so consecutive queries update the same dkv rows; plus one far row of its
+    own, and -1 holes."""
+    ks = jax.random.split(jax.random.key(seed), 5)
+    q = jax.random.normal(ks[0], (1, S, H, C), jnp.float32).astype(dtype)
+    kv = jax.random.normal(ks[1], (1, T_LONG, C), jnp.float32).astype(dtype)
+    pool = jnp.array([T_LONG - 1 - i for i in range(8)] + [0, 17_001], jnp.int32)
+    picks = jax.vmap(lambda k: jax.random.permutation(k, pool)[:K - 2])(jax.random.split(ks[2], S))  # distinct
+    own = jax.random.randint(ks[3], (S, 1), 1, 17_000, jnp.int32)
+    idx = jnp.concatenate([picks, own, jnp.full((S, 1), -1, jnp.int32)], axis=1)
+    idx = jnp.where(jax.random.uniform(ks[4], idx.shape) < 0.15, -1, idx)
+    return q, kv, jax.vmap(lambda k, row: jax.random.permutation(k, row))(jax.random.split(ks[4], S), idx)[None]
+
+
+@pytest.mark.parametrize("dtype,layout,in_vmem,S", [
+    (jnp.float32, None, False, 4),  # HBM dkv accumulator, read-modify-write DMAs
+    (jnp.bfloat16, "packed", False, 4),  # uint32 words split in the kernel
+    (jnp.bfloat16, None, None, 2),  # decode: the automatic layout ("pairs"), forward only
+])
+def test_sparse_mla_long_cache_checked(dtype, layout, in_vmem, S):
+    """T = 20,000 > 16,384 against the XLA reference, forward and backward (dq, dkv; decode: forward), in the checked
+    interpreter (DMA race detection, DMAs executed when waited on). k = 12 in chunks of 8 (two chunks, read
+    semaphores per chunk). Most rows are selected by several consecutive queries: without the wait for the previous
+    query's dkv writes, its reads see stale rows and updates are lost."""
+    K = 12
+    q, kv, idx = long_cache_inputs(dtype, S, K)
+    counts = jnp.zeros(T_LONG, jnp.int32).at[jnp.where(idx[0] >= 0, idx[0], T_LONG)].add(1, mode="drop")
+    assert (idx == -1).any() and int(jnp.sum(counts >= S)) >= 3  # holes, and rows that every query updates
+    assert all(len(set(r) - {-1}) == (r >= 0).sum() for r in np.asarray(idx[0]))  # distinct within a query
+    if layout is None and dtype == jnp.bfloat16:
+        assert cache_layout(dtype, S, T_LONG, K) == "pairs"
+    ct = jax.random.normal(jax.random.key(7), (1, S, H, R))
+    kw = dict(interpret="checked", block_k=8, layout=layout, dkv_in_vmem=in_vmem)
+    out, lse = jax.jit(lambda *a: sparse_mla(*a, scale=SCALE, kv_lora_rank=R, **kw))(q, kv, idx)
+    assert no_races()
+    ref_out, ref_lse = sparse_mla_reference(q, kv, idx, scale=SCALE, kv_lora_rank=R)
+    tol_out, tol_grad = (1e-5, 1e-4) if dtype == jnp.float32 else (3e-2, 6e-2)
+    np.testing.assert_allclose(out.astype(jnp.float32), ref_out.astype(jnp.float32), atol=tol_out, rtol=tol_out)
+    np.testing.assert_array_equal(jnp.isinf(lse), jnp.isinf(ref_lse))
+    np.testing.assert_allclose(finite(lse), finite(ref_lse), atol=tol_out, rtol=tol_out)
+    if in_vmem is None:
+        return
+    dq, dkv = jax.jit(jax.grad(mla_loss(sparse_mla, idx, ct, **kw), (0, 1)))(q, kv)
+    assert no_races()
+    rq, rkv = jax.jit(jax.grad(mla_loss(sparse_mla_reference, idx, ct), (0, 1)))(q, kv)
+    for a, b in [(dq, rq), (dkv, rkv)]:
+        assert a.dtype == dtype
+        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+        scale = float(jnp.max(jnp.abs(b)))
+        np.testing.assert_allclose(a / scale, b / scale, atol=tol_grad)
+    assert (jnp.abs(rkv[0][counts >= S]) > 0).any()  # rows updated by several queries carry gradient
+    assert (dkv[0][counts == 0] == 0).all()  # rows nobody selected get none
+
+
+def test_sparse_mla_picks_the_dkv_accumulator_by_size():
+    """VMEM accumulator while T·C·4 <= 40 MiB (no aliased zero slabs), HBM beyond (zero slabs aliased to dkv)."""
+    def bwd_aliases(T, C):
+        q = jax.ShapeDtypeStruct((1, 4, H, C), jnp.float32)
+        kv = jax.ShapeDtypeStruct((1, T, C), jnp.float32)
+        idx = jax.ShapeDtypeStruct((1, 4, 8), jnp.int32)
+        grad = jax.grad(lambda q, kv, i: jnp.sum(sparse_mla(q, kv, i, scale=SCALE, kv_lora_rank=R,
+                                                            interpret="fast")[0]), (0, 1))
+        (bwd,) = [e for e in _all_eqns(jax.make_jaxpr(grad)(q, kv, idx).jaxpr)
+                  if e.primitive.name == "pallas_call" and e.params["name"] == "sparse_mla_bwd"]
+        return bwd.params["input_output_aliases"]
+
+    assert bwd_aliases(81_920, C) == ()  # 81,920 x 128 lanes x 4 B = 40 MiB
+    assert bwd_aliases(81_928, C) != ()
+
+
+def _all_eqns(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for v in eqn.params.values():
+            for sub in v if isinstance(v, (tuple, list)) else (v,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    yield from _all_eqns(sub)
 
 
 # ------------------------------------------------------------------------------------------------ indexer top-k
@@ -243,6 +323,12 @@ def test_index_topk_decode_cache_and_short_cache():
     got, want = both(32, q, k, w, seg, seg)
     assert got[0].shape == (1, 12, 12)
     assert_topk_equal(got, want)
+    T = 20_000  # a long cache (157 key blocks); the middle query's document is keys 100..18,999
+    q, k, w = indexer_inputs(1, 3, T, seed=3)
+    k_seg = jnp.ones((1, T), jnp.int32).at[:, 100:19_000].set(2)
+    got, want = both(K, q, k, w, jnp.array([[1, 2, 1]], jnp.int32), k_seg, jnp.array([[T - 3, T - 2, T - 1]]))
+    assert_topk_equal(got, want)
+    assert ((got[0][0, 1] >= 100) & (got[0][0, 1] < 19_000)).all() and (got[0][0, 0] < 100).any()
 
 
 def test_index_topk_score_gradients():
@@ -259,6 +345,32 @@ def test_index_topk_score_gradients():
     rg = jax.jit(jax.grad(loss(index_topk_reference), (0, 1, 2)))(q, k, w)
     for a, b in zip(g, rg):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["checked", "fast"])
+def test_kernels_under_remat(mode):
+    """Both kernels inside jax.checkpoint (nothing saved, as model.remat="full") under jax.grad: the "checked"
+    interpreter's io_callbacks used to stop remat ("Effects not supported in partial-eval of checkpoint/remat").
+    Same value and gradients as the XLA references."""
+    S, K = 8, 4
+    q, kv, _ = mla_inputs(S=S)
+    qi, ki, w = indexer_inputs(1, S, S, seed=6)
+    seg = jnp.ones((1, S), jnp.int32)
+
+    def loss(topk, attend, **kw):
+        def f(q, kv, qi, w):
+            ids, vals = topk(qi, ki, w, seg, seg, K, 16, **kw)
+            out, lse = attend(q, kv, ids, scale=SCALE, kv_lora_rank=R, **kw)
+            return jnp.sum(out ** 2) + jnp.sum(finite(lse)) + jnp.sum(finite(vals))
+        return f
+
+    args = (q, kv, qi, w)
+    kernels = loss(index_topk, sparse_mla, interpret=mode)
+    remat = jax.checkpoint(kernels, policy=jax.checkpoint_policies.nothing_saveable)
+    got = jax.jit(jax.value_and_grad(remat, (0, 1, 2, 3)))(*args)
+    ref = jax.jit(jax.value_and_grad(loss(index_topk_reference, sparse_mla_reference), (0, 1, 2, 3)))(*args)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
 
 
 # ------------------------------------------------------------------------------------------------ the references
@@ -298,9 +410,10 @@ def test_pallas_kernels_import_nothing_of_glmjax():
     assert out.strip() == "[]"
 
 
-def test_attention_impl_selects_the_kernels():
+def test_attention_impl_selects_the_kernels(monkeypatch):
     """The whole model in sparse mode with the indexer KL traces the two Pallas kernels with attention_impl="pallas",
-    and none with "xla"."""
+    and none with "xla" (in the "fast" interpret mode: "checked" hides the pallas_call inside a pure_callback)."""
+    monkeypatch.setenv(pallas_kernels.common.INTERPRET_ENV, "fast")
     def jaxpr(impl):
         cfg = tiny(attention_impl=impl, num_hidden_layers=2, indexer_types=("full", "shared"), mtp_depth=0,
                    num_nextn_predict_layers=0)
