@@ -216,9 +216,12 @@ def test_topk_overlap_against_python_sets():
     b = np.stack([rng.permutation(T)[:k] for _ in range(10)]).reshape(1, 2, 5, k)
     b[0, 0, 0, 2:] = -1  # a query with 2 keys only
     b[0, 1, 4, :] = -1  # a query with none: not counted
-    ref = [len(set(x) & (set(y) - {-1})) / len(set(y) - {-1})
+    a[0, 0, 1, 1:] = -1  # empty slots of a match nothing, not b's empty slots
+    b[0, 0, 1, 3] = -1
+    b[0, 1, 0] = a[0, 1, 0][::-1]  # the same set in another order: overlap 1
+    ref = [len((set(x) - {-1}) & (set(y) - {-1})) / len(set(y) - {-1})
            for x, y in zip(a.reshape(-1, k), b.reshape(-1, k)) if (y >= 0).any()]
-    got = topk_overlap(jnp.asarray(a), jnp.asarray(b), T)
+    got = topk_overlap(jnp.asarray(a), jnp.asarray(b))
     np.testing.assert_allclose(float(got[0]), np.mean(ref), rtol=1e-6)
 
 

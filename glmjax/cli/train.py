@@ -5,6 +5,8 @@
   python train.py --config=configs/recipe_tiny.py --config.stage=sparse_adapt --config.init_from=runs/x/dense_warmup \\
       --workdir=runs/z
 
+  python train.py --config=configs/glm5_recipe.py --dry-run --topology=v5p:8x8x4   # fits? memory per chip
+
 Running the same command again resumes from the newest checkpoint in workdir (finished stages are skipped). A
 changed config stops with the list of changed fields (see glmjax/train/resume.py for train.on_config_change).
 Errors in the config, the flags, the data or the checkpoints end in one line on stderr and a non-zero exit status
@@ -20,6 +22,10 @@ config_flags.DEFINE_config_file("config", "configs/tiny.py", "experiment config 
 flags.DEFINE_string("workdir", "runs/default", "output directory: config.json, metrics.jsonl, tb/, checkpoints/")
 flags.DEFINE_string("compilation_cache", None, "directory for JAX's persistent compilation cache (off if unset); "
                     "saves the compile time of repeated runs")
+flags.DEFINE_bool("dry_run", False, "compile every stage's train step ahead of time for --topology and print "
+                  "whether it fits a chip and its memory per chip; trains nothing (also --dry-run)")
+flags.DEFINE_string("topology", None, "TPU topology for --dry-run, e.g. v5p:8x8x4 (256 v5p chips), v5e:2x4")
+flags.DEFINE_integer("num_slices", 1, "slices of --topology for --dry-run (multi-slice pods)")
 flags.DEFINE_bool("debug", False, "print the full traceback of an error (by default one line)")
 FLAGS = flags.FLAGS
 
@@ -27,6 +33,7 @@ FLAGS = flags.FLAGS
 def parse_flags(argv):
     """absl's parsing, with a config override of an unknown field reported in one line, not a traceback; --help
     prints this module's docstring and flags and exits 0."""
+    argv = [a.replace("--dry-run", "--dry_run", 1).replace("--num-slices", "--num_slices", 1) for a in argv]
     if any(a in ("-h", "--help", "-help", "--helpshort", "-?") for a in argv[1:]):
         print(__doc__)
         print(FLAGS.module_help(__name__))
@@ -67,6 +74,11 @@ def main(argv):
     errors = {ConfigError: ("config error", 2), DataError: ("data error", 2), CheckpointError: ("checkpoint error", 3),
               FloatingPointError: ("stopped", 1), DiskFull: ("stopped", 1)}
     try:
+        if FLAGS.dry_run:
+            return dry_run(FLAGS.config)
+        if FLAGS.topology:
+            raise ConfigError(f"--topology={FLAGS.topology!r} is for --dry-run only (training runs on this host's "
+                              "devices)")
         run(FLAGS.config, FLAGS.workdir)
     except tuple(errors) as e:
         if FLAGS.debug:
@@ -74,6 +86,17 @@ def main(argv):
         what, code = next(v for k, v in errors.items() if isinstance(e, k))
         fail(f"{what}: {e}", code)
     return 0
+
+
+def dry_run(config) -> int:
+    """--dry-run: exit status 0 if every stage fits, 1 if one does not (2 for a config error, raised)."""
+    from glmjax.config import ConfigError
+    from glmjax.train.dry_run import dry_run as compile_stages
+
+    if not FLAGS.topology:
+        raise ConfigError("--dry-run needs --topology, e.g. --topology=v5p:8x8x4")
+    results = compile_stages(config, FLAGS.topology, FLAGS.num_slices)
+    return 0 if all(r["fits"] for r in results) else 1
 
 
 def cli():

@@ -51,9 +51,8 @@ def overlap_matrices(model: GLM, batches) -> dict:
     def one(model, batch):
         _, aux = model(batch, "dense", topk_stats=True)
         a, x = aux.attn_topk, aux.index_topk
-        T = batch.tokens.shape[1]
-        pair = jax.vmap(jax.vmap(lambda u, v: topk_overlap(u, v, T), (None, 0)), (0, None))
-        return pair(a, a), pair(x, x), jax.vmap(lambda u, v: topk_overlap(u, v, T))(x, a[jnp.asarray(full)])
+        pair = jax.vmap(jax.vmap(topk_overlap, (None, 0)), (0, None))
+        return pair(a, a), pair(x, x), jax.vmap(topk_overlap)(x, a[jnp.asarray(full)])
 
     outs = [jax.device_get(one(model, to_batch(b))) for b in batches]
     attn, index, recall = (np.mean([o[i] for o in outs], axis=0) for i in range(3))
