@@ -53,7 +53,7 @@ def test_index_topk_matches_naive_with_segments_and_ragged_blocks(block_q):
     np.testing.assert_allclose(np.asarray(vals)[ref >= 0], sel[ref >= 0], rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("S,topk,block_q", [(37, 8, 8), (150, 16, 8), (20, 64, 8)])
+@pytest.mark.parametrize("S,topk,block_q", [(150, 16, 8), (20, 64, 8)])
 def test_index_topk_causal_key_prefixes_select_what_full_blocks_select(S, topk, block_q):
     """Without q_idx the query blocks score only the keys their group can see (`causal_groups`); with q_idx (the
     cache / context-parallel form) every block scores all T keys. Same indices (-1 slots, packed segments and
