@@ -14,8 +14,10 @@ scoring exactly 0 when all of a query's indexer ReLUs clip -- are broken differe
   train step: LM loss, backward, AdamW (glmjax: the trainer's step, stage pretrain, sparse attention; transformers:
               model(ids, labels=ids).loss.backward(), torch.optim.AdamW.step())
 
-Reported: median seconds per call over --reps rounds (first call of each shape excluded: compile / warm-up) and
-the ratio transformers / glmjax; the 1-minute load average before and after.
+Reported: median wall seconds per call over --reps rounds (first call of each shape excluded: compile / warm-up)
+and the ratio transformers / glmjax; the same for the CPU seconds each worker process spent on the call (all its
+threads: steadier than wall time on a shared machine, but it also counts threads that spin while waiting); the
+1-minute load average before the run and after each round.
 """
 from __future__ import annotations
 
@@ -69,6 +71,13 @@ def write_checkpoint(path: str, seed: int = 0) -> None:
     model.save_pretrained(path)
 
 
+def timed(fn) -> list[float]:
+    """-> [wall seconds, CPU seconds of this process (all threads)] of fn()."""
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    fn()
+    return [time.perf_counter() - t0, time.process_time() - cpu0]
+
+
 def tokens(S: int):
     import numpy as np
 
@@ -114,20 +123,19 @@ class GlmjaxWorker:
         tok, lengths = jnp.asarray(tokens(S)), jnp.full((1,), S, jnp.int32)
         caches = self.decoder.init_cache(1, S)
         self.jax.block_until_ready(caches)
-        t0 = time.perf_counter()
-        logits, _ = self.decoder.prefill(self.decoder.state, tok, lengths, caches)
-        logits.block_until_ready()
-        return time.perf_counter() - t0
+        return timed(lambda: self.decoder.prefill(self.decoder.state, tok, lengths, caches)[0].block_until_ready())
 
     def train(self, S):
         import jax.numpy as jnp
 
         batch = self.batch(S)
         self.step += 1
-        t0 = time.perf_counter()
-        *self.state, m = self.step_fn(*self.state, batch, jnp.int32(self.step))
-        m["loss"].block_until_ready()
-        return time.perf_counter() - t0
+
+        def step():
+            *self.state, m = self.step_fn(*self.state, batch, jnp.int32(self.step))
+            m["loss"].block_until_ready()
+
+        return timed(step)
 
     def check(self, S, out):
         """Logits [1,S,V] and the top-k each layer used -> out (npz)."""
@@ -167,19 +175,23 @@ class TransformersWorker:
     def prefill(self, S):
         ids = self.torch.tensor(tokens(S), dtype=self.torch.long)
         self.model.eval()
-        t0 = time.perf_counter()
-        with self.torch.no_grad():
-            self.model(ids, use_cache=True, logits_to_keep=1)
-        return time.perf_counter() - t0
+
+        def run():
+            with self.torch.no_grad():
+                self.model(ids, use_cache=True, logits_to_keep=1)
+
+        return timed(run)
 
     def train(self, S):
         ids = self.torch.tensor(tokens(S), dtype=self.torch.long)
         self.model.train()
-        t0 = time.perf_counter()
-        self.model(ids, labels=ids).loss.backward()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        return time.perf_counter() - t0
+
+        def step():
+            self.model(ids, labels=ids).loss.backward()
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+
+        return timed(step)
 
     def check(self, S, ref):
         """-> max |logit difference| against glmjax's (ref npz) with transformers' own top-k and with glmjax's,
@@ -272,24 +284,29 @@ def main(argv=None) -> int:
         raise SystemExit("logits disagree: not timing")
     runs = [("prefill", S) for S in args.seq_lens] + [("train", S) for S in args.train_seq_lens]
     times = {(impl, op, S): [] for impl in peers for op, S in runs}
+    loads = []
     for rep in range(args.reps + 1):  # round 0: compile / warm-up
         for op, S in runs:
             for impl in (list(peers) if rep % 2 else list(peers)[::-1]):
-                sec = peers[impl].call(op, S)
+                wall_cpu = peers[impl].call(op, S)
                 if rep:
-                    times[impl, op, S].append(sec)
-        print(f"round {rep}/{args.reps} done, load {os.getloadavg()[0]:.2f}", flush=True)
-    load1 = os.getloadavg()[0]
+                    times[impl, op, S].append(wall_cpu)
+        loads.append(os.getloadavg()[0])
+        print(f"round {rep}/{args.reps} done, load {loads[-1]:.2f}", flush=True)
     lines = [f"S = {args.check_len} logits: max |diff| {agree['forced_topk']:.1e} (transformers forced to glmjax's "
              f"top-k), {agree['own_topk']:.1e} with each one's own top-k ({agree['rows_differ']:.1%} of layer-query "
-             f"rows select different keys); load average (1 min) {load0:.2f} before, {load1:.2f} after; "
-             f"medians of {args.reps} interleaved rounds", "",
-             "| | S | transformers (s) | glmjax (s) | transformers / glmjax |", "|---|---:|---:|---:|---:|"]
-    results = {"agreement": agree, "load_before": load0, "load_after": load1, "reps": args.reps, "runs": {}}
+             f"rows select different keys); load average (1 min) {load0:.2f} before, {min(loads):.2f}-"
+             f"{max(loads):.2f} after each round; medians of {args.reps} interleaved rounds", "",
+             "| | S | transformers (s) | glmjax (s) | transformers / glmjax | CPU s: transformers | glmjax | ratio |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    results = {"agreement": agree, "load_before": load0, "loads": loads, "reps": args.reps, "runs": {}}
     for op, S in runs:
-        hf, ours = (statistics.median(times[impl, op, S]) for impl in ("transformers", "glmjax"))
-        results["runs"][f"{op}/{S}"] = {"transformers_s": hf, "glmjax_s": ours, "ratio": hf / ours}
-        lines.append(f"| {'train step' if op == 'train' else op} | {S} | {hf:.3f} | {ours:.3f} | {hf / ours:.2f}x |")
+        (hf, hf_cpu), (ours, ours_cpu) = ([statistics.median(x) for x in zip(*times[impl, op, S])]
+                                          for impl in ("transformers", "glmjax"))
+        results["runs"][f"{op}/{S}"] = {"transformers_s": hf, "glmjax_s": ours, "ratio": hf / ours,
+                                        "transformers_cpu_s": hf_cpu, "glmjax_cpu_s": ours_cpu}
+        lines.append(f"| {'train step' if op == 'train' else op} | {S} | {hf:.3f} | {ours:.3f} | {hf / ours:.2f}x | "
+                     f"{hf_cpu:.2f} | {ours_cpu:.2f} | {hf_cpu / ours_cpu:.2f}x |")
     print("\n".join(lines))
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from glmjax.model.indexer import index_logits, index_scores, index_topk
+from glmjax.model.indexer import CAUSAL_GROUPS, causal_groups, index_logits, index_scores, index_topk
 from glmjax.model.layers import rope_tables
 from glmjax.model.mla import MLA, Ctx
 from glmjax.model.sparse_attention import sparse_mla_xla
@@ -50,7 +50,28 @@ def test_index_topk_matches_naive_with_segments_and_ragged_blocks(block_q):
     assert (np.asarray(ids)[:, 23:33] >= 0).all()
     # selected scores are the scores of the selected keys
     sel = np.take_along_axis(scores, np.maximum(ref, 0), axis=-1)
-    np.testing.assert_allclose(np.asarray(vals)[ref >= 0], sel[ref >= 0], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(vals)[ref >= 0], sel[ref >= 0], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("S,topk,block_q", [(150, 16, 8), (20, 64, 8)])
+def test_index_topk_causal_key_prefixes_select_what_full_blocks_select(S, topk, block_q):
+    """Without q_idx the query blocks score only the keys their group can see (`causal_groups`); with q_idx (the
+    cache / context-parallel form) every block scores all T keys. Same indices (-1 slots, packed segments and
+    S < topk included), scores within rounding (a narrower dot)."""
+    q, k, w = random_indexer_inputs(S=S, seed=S)
+    q = jnp.where(q < -0.5, -1.0, q)  # many ReLU-clipped heads: exact ties at 0 among the scores
+    seg = np.ones((2, S), np.int32)
+    seg[1, S // 3:] = 2
+    seg[1, S - 3:] = 0
+    seg = jnp.asarray(seg)
+    groups = causal_groups(S, S, block_q)
+    assert len(groups) == min(-(-S // block_q), CAUSAL_GROUPS) and groups[-1][1:] == (-(-S // block_q), S)
+    fn = jax.jit(lambda q_idx: index_topk(q, k, w, seg, seg, topk, block_q, q_idx))
+    (ids, vals), (ids_full, vals_full) = fn(None), fn(jnp.arange(S))
+    np.testing.assert_array_equal(ids, ids_full)
+    np.testing.assert_allclose(vals, vals_full, rtol=1e-5, atol=1e-6)
+    assert (np.asarray(ids) == -1).any() and (np.asarray(vals) == 0).any()
+    np.testing.assert_array_equal(ids, naive_topk(np.asarray(index_logits(q, k, w)), np.asarray(seg), topk))
 
 
 def test_index_topk_ties_break_by_lowest_index_and_are_deterministic():

@@ -7,6 +7,8 @@ key (fewer than k causal keys in the query's own segment).
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -65,27 +67,48 @@ def index_scores(q, k, w, q_seg, k_seg, q_idx=None):
 
 
 def index_topk(q, k, w, q_seg, k_seg, topk: int, block_q: int, q_idx=None):
-    """Exact top-k of the masked index scores, one query block at a time. q_idx ([S] or [B,S], default arange(S))
-    is the key slot of each query (its own position in the cache when decoding).
+    """Exact top-k of the masked index scores, one query block at a time. q_idx ([S] or [B,S]) is the key slot of
+    each query (its own position in the cache when decoding; global slots on a context shard).
 
     Returns (indices [B,S,k'] int32 with -1 for invalid slots, scores [B,S,k'] f32), k' = min(topk, T).
     Only [B, block_q, H_I, T] is live per block; the scores never reach HBM as [B,S,T].
+    Without q_idx the queries sit at slots 0..S-1 and the query blocks go in `causal_groups`: each group scores
+    only the keys its last query can see (a key past that prefix is masked for the whole group), ~half the score
+    and top-k work of a causal sequence. The top-k is exact over the scores as computed; a narrower dot may round
+    a score differently (~1e-7 relative; bit for bit the same at the block sizes of bench/peers.py).
     """
     B, S = q.shape[:2]
-    kk = min(topk, k.shape[1])
-    q_idx = jnp.arange(S) if q_idx is None else q_idx
+    T = k.shape[1]
+    kk = min(topk, T)
     bq = min(block_q, S)
+    groups = [(0, -(-S // bq), T)] if q_idx is not None else causal_groups(S, T, bq)
+    q_idx = jnp.broadcast_to(jnp.arange(S) if q_idx is None else q_idx, (B, S))
+    blocks = (to_blocks(q, bq), to_blocks(w, bq), to_blocks(q_seg, bq), to_blocks(q_idx, bq))
 
-    def one_block(args):
+    def one_block(args, L: int):  # scores and top-k of the keys 0..L-1
         qb, wb, segb, idxb = args
-        s = jnp.where(visible(segb, k_seg, idxb), index_logits(qb, k, wb), NEG_INF)
-        vals, ids = jax.lax.top_k(s, kk)
-        return jnp.where(vals == NEG_INF, -1, ids).astype(jnp.int32), vals
+        s = jnp.where(visible(segb, k_seg[:, :L], idxb), index_logits(qb, k[:, :L], wb), NEG_INF)
+        vals, ids = jax.lax.top_k(s, min(kk, L))
+        pad = [(0, 0)] * (vals.ndim - 1) + [(0, kk - vals.shape[-1])]  # a prefix shorter than k: no key there
+        return (jnp.pad(jnp.where(vals == NEG_INF, -1, ids).astype(jnp.int32), pad, constant_values=-1),
+                jnp.pad(vals, pad, constant_values=NEG_INF))
 
-    q_idx = jnp.broadcast_to(q_idx, (B, S))
-    ids, vals = jax.lax.map(one_block, (to_blocks(q, bq), to_blocks(w, bq), to_blocks(q_seg, bq),
-                                        to_blocks(q_idx, bq)))
+    outs = [jax.lax.map(functools.partial(one_block, L=L), jax.tree.map(lambda a: a[b0:b1], blocks))
+            for b0, b1, L in groups]
+    ids, vals = (jnp.concatenate(x, axis=0) for x in zip(*outs))
     return from_blocks(ids, S), from_blocks(vals, S)
+
+
+CAUSAL_GROUPS = 8  # at most this many key-prefix lengths (each compiles its own block body)
+
+
+def causal_groups(S: int, T: int, bq: int) -> list[tuple[int, int, int]]:
+    """Query blocks of bq rows at slots 0..S-1 in at most CAUSAL_GROUPS contiguous groups -> [(first block,
+    end block, keys the group's last query can see)]: work ~ (G+1)/(2G) of scoring every block against all T."""
+    nb = -(-S // bq)
+    G = min(nb, CAUSAL_GROUPS)
+    ends = [round(nb * (g + 1) / G) for g in range(G)]
+    return [(b0, b1, min(T, b1 * bq)) for b0, b1 in zip([0] + ends[:-1], ends)]
 
 
 def gathered_index_logits(q, k, w, indices, block_q: int = 256):
