@@ -52,9 +52,13 @@ class Layout:
 
     def perm(self, S: int) -> np.ndarray:
         """[S] int32: layout position j holds natural slot perm[j]; shard i holds positions i*S/N .. (i+1)*S/N-1."""
+        pieces = self.shards * (2 if self.kind == "zigzag" else 1)
+        if S % pieces:
+            raise ValueError(f"sequence length {S}: model.context_layout={self.kind!r} on {self.shards} context shards "
+                             f"needs a multiple of {pieces}")
         if self.kind == "contiguous" or self.shards == 1:
             return np.arange(S, dtype=np.int32)
-        c = S // (2 * self.shards)
+        c = S // pieces
         chunks = [(i, 2 * self.shards - 1 - i)[j] for i in range(self.shards) for j in range(2)]
         return np.concatenate([np.arange(k * c, (k + 1) * c) for k in chunks]).astype(np.int32)
 
@@ -87,10 +91,7 @@ def layout(kind: str, S: int) -> Layout | None:
     n = context_size()
     if n == 1:
         return None
-    pieces = 2 * n if kind == "zigzag" else n
-    if S % pieces:
-        raise ValueError(f"sequence length {S}: model.context_layout={kind!r} on {n} context shards needs a multiple "
-                         f"of {pieces}")
+    Layout(kind, n).perm(S)  # checks S
     return Layout(kind, n)
 
 
