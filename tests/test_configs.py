@@ -204,7 +204,8 @@ def test_seq_len_not_divisible_by_the_context_axis_is_refused_up_front():
     from glmjax.train.loop import check_config
     c = load("tiny")
     c.parallel.context = 3
-    with pytest.raises(ConfigError, match=r"train\.seq_len=128: must be a multiple of parallel\.context=3"):
+    with pytest.raises(ConfigError, match=r"train\.seq_len=128: must be a multiple of 6 \(parallel\.context=3, "
+                                          r"model\.context_layout='zigzag'"):
         check_config(c)
     c.parallel.context = 4
     check_config(c)

@@ -6,124 +6,41 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import pallas_kernels
 from glmjax import parallel as par
-from glmjax.model import GLM, Batch, context
+from glmjax.model import context
 from glmjax.model.indexer import index_topk
-from glmjax.rl.trainer import token_logprobs
-from helpers import batch_from_docs, tiny
+from sharded_training import (DOCS, FAST, S, assert_equal_to_reference, context_reference,
+                              context_stages_on_mesh)
 
-MESHES = {"context4": dict(context=4), "context2_fsdp2_tensor2": dict(data=1, fsdp=2, context=2, tensor=2)}
-S = 56
-DOCS = ((20, 25, 11), (56,), (9, 30, 10), (3, 40, 9))  # every row crosses shard boundaries; row 3 ends in padding
-FAST = {"xla_backend_optimization_level": 0}  # halves XLA:CPU's compile time of these tiny programs
-TEMPERATURE = 0.7
-
-
-def cfg(impl: str):
-    """Layer 0 dense with its indexer, layer 1 MoE sharing its top-k (IndexShare), the MTP layer for 2 depths."""
-    return tiny(attention_impl=impl, num_hidden_layers=2, first_k_dense_replace=1, indexer_types=("full", "shared"),
-                mtp_depth=2, init_std=0.1)  # init_std: a KL far from 0 (no cancellation in the 1e-5 check)
-
-
-def packed_batch(vocab: int) -> tuple[Batch, np.ndarray]:
-    """The packed batch with an SFT loss mask (-> Batch with loss_mask) and per-token PPO weights."""
-    rng = np.random.default_rng(0)
-    b = batch_from_docs([[rng.integers(1, vocab, n) for n in row] for row in DOCS], S)
-    mask = (rng.random((len(DOCS), S)) < 0.6).astype(np.int32)
-    return Batch(*b[:3], jnp.asarray(mask)), rng.normal(size=(len(DOCS), S)).astype(np.float32)
-
-
-def all_stages(graphdef, sparse_only: bool = False):
-    """(params, rest, batch, ppo weights) -> {stage group: ((loss, metrics), grads)}, per-token forward outputs.
-
-    The dense stages are one loss: LM + MTP on the SFT mask (sft; pretrain is the same path without a mask) plus the
-    indexer KL against dense attention (dense_warmup): the KL reaches only the indexers and the LM terms never do,
-    so the gradient holds each stage's gradient on its own parameters and the metrics each stage's loss. The sparse
-    stages (sparse_adapt; indexshare: layer 1 shares layer 0's top-k and its indexer distils toward both layers'
-    attention) are the LM + MTP + indexer KL in sparse mode, no mask. PPO: the actor's log-prob path (h back in
-    natural order, log-probs of the next token) with the dense top-k diagnostics of the same forward."""
-
-    def fn(params, rest, batch, w):
-        def stage(mode, b):
-            def f(p):
-                loss, m = nnx.merge(graphdef, p, rest).loss(b, mode, lm_weight=1.0, index_loss_weight=1.0)
-                return loss, {k: m[k] for k in ("lm_loss", "mtp_loss", "index_kl")}
-            return jax.value_and_grad(f, has_aux=True)(params)
-
-        def ppo(p):
-            m = nnx.merge(graphdef, p, rest)
-            h, aux = m(batch._replace(loss_mask=None), "dense", topk_stats=True)
-            lp, ent = token_logprobs(h, m.lm_head[...], batch.tokens, TEMPERATURE, m.cfg.loss_chunk)
-            return jnp.sum((lp + 0.1 * ent) * w), (lp, aux.attn_topk, aux.index_topk)
-
-        out = {"sparse_adapt+indexshare": stage("sparse", batch._replace(loss_mask=None))}
-        if sparse_only:
-            return out, None
-        out["pretrain/sft+dense_warmup"] = stage("dense", batch)
-        (loss, fwd), grads = jax.value_and_grad(ppo, has_aux=True)(params)
-        out["ppo"] = ((loss, {}), grads)
-        return out, dict(zip(("logp", "attn_topk", "index_topk"), fwd))
-
-    return fn
+# context=4 with expert parallelism (the MoE's tokens split over expert x context, experts over expert)
+MESHES = {"context4_expert2": dict(data=1, expert=2, context=4), "context2_fsdp2_tensor2": dict(data=1, fsdp=2, context=2,
+                                                                                                tensor=2)}
 
 
 @pytest.fixture(scope="module")
 def reference():
     """One device, XLA attention: (graphdef, params, rest, batch, w, stage results)."""
-    c = cfg("xla")
-    graphdef, params, rest = nnx.split(GLM(c, nnx.Rngs(0)), nnx.Param, ...)
-    batch, w = packed_batch(c.vocab_size)
-    out = jax.jit(all_stages(graphdef), compiler_options=FAST)(params, rest, batch, w)
-    return graphdef, params, rest, batch, w, jax.device_get(out)
+    return context_reference()
 
 
-def on_mesh(mesh_axes, impl, sparse_only, reference):
-    _, params, rest, batch, w, _ = reference
-    mesh = par.make_mesh(mesh_axes)
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: GLM(cfg(impl), nnx.Rngs(0))))
-    params, rest = (jax.device_put(t, par.state_shardings(t, mesh)) for t in (params, rest))
-    batch, w = par.global_batch((batch, w), mesh, len(DOCS))
-    assert batch.tokens.sharding.spec[1] == "context"
-    fn = jax.jit(par.with_mesh(all_stages(graphdef, sparse_only), mesh), compiler_options=FAST)
-    return jax.device_get(fn(params, rest, batch, w))
-
-
-def assert_equal_to_reference(got, want):
-    (stages, fwd), (stages1, fwd1) = got, want
-    for name, ((loss, metrics), grads) in stages.items():
-        (loss1, metrics1), grads1 = stages1[name]
-        np.testing.assert_allclose(loss, loss1, rtol=1e-5, err_msg=name)
-        for k in metrics:
-            np.testing.assert_allclose(metrics[k], metrics1[k], rtol=1e-5, err_msg=f"{name} {k}")
-        for (path, g), g1 in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(grads1)):
-            norm = np.linalg.norm(g1)
-            err = np.linalg.norm(g - g1) / norm if norm else np.abs(g).max()
-            assert err <= 1e-5, (name, jax.tree_util.keystr(path), err)
-    if fwd is None:
-        return
-    np.testing.assert_allclose(fwd["logp"], fwd1["logp"], atol=2e-5, rtol=1e-5)  # per token, natural order
-    np.testing.assert_array_equal(fwd["index_topk"], fwd1["index_topk"])  # the indexer's top-k: identical
-    # the attention's top-k (streamed on the mesh, materialised on one device: near-ties may order differently) on
-    # the queries of documents (padding queries see only padding keys, all but tied)
-    real = np.arange(S)[None] < np.asarray([sum(row) for row in DOCS])[:, None]  # [B,S] not padding
-    np.testing.assert_array_equal(fwd["attn_topk"][:, real], fwd1["attn_topk"][:, real])
+def on_mesh(mesh_axes, impl, sparse_only):
+    return jax.device_get(context_stages_on_mesh(par.make_mesh(mesh_axes), impl, sparse_only))
 
 
 @pytest.mark.parametrize("mesh_name", sorted(MESHES))
 def test_every_stage_equals_one_device_xla(mesh_name, reference):
     """Every stage's loss and every gradient (f32, <= 1e-5 relative) and the per-token outputs equal one device's."""
-    assert_equal_to_reference(on_mesh(MESHES[mesh_name], "xla", False, reference), reference[-1])
+    assert_equal_to_reference(on_mesh(MESHES[mesh_name], "xla", False), reference[-1])
 
 
 def test_sparse_stages_with_the_kernels_equal_one_device(reference, monkeypatch):
     """attention_impl="pallas" (the indexer top-k and sparse MLA kernels in shard_map, local queries at their global
     slots) on context=2 x fsdp=2 x tensor=2: the sparse stages equal one device's (XLA attention)."""
     monkeypatch.setenv(pallas_kernels.common.INTERPRET_ENV, "fast")
-    got = on_mesh(MESHES["context2_fsdp2_tensor2"], "pallas", True, reference)
+    got = on_mesh(MESHES["context2_fsdp2_tensor2"], "pallas", True)
     assert_equal_to_reference(got, reference[-1])
 
 
@@ -166,7 +83,7 @@ def test_indexer_topk_on_context_shards_selects_the_keys_of_one_device(reference
     q, k, w = (rng.normal(size=shape).astype(np.float32) for shape in ((B, S, H, D), (B, S, D), (B, S, H)))
     seg = np.asarray(reference[3].segment_ids)
     want, _ = index_topk(q, k, w, seg, seg, K, 16)
-    mesh = par.make_mesh(MESHES["context4"])
+    mesh = par.make_mesh(MESHES["context4_expert2"])
     args = jax.device_put((q, k, w, seg), NamedSharding(mesh, P(None, "context")))
 
     def sharded(global_slots=True):
