@@ -20,7 +20,8 @@ causality, block skipping, the top-k tie rule (lowest key index) and the returne
 device; per-token outputs a caller reads (hidden states, top-k diagnostics) are permuted back.
 
     layout = context.layout("zigzag", S)        # None unless the mesh in context splits the sequence
-    out = local_queries(layout, flash_attention, *FLASH)(q, k, v, q_seg, k_seg, layout.slots(B), ...)
+    ids, _ = local_queries(layout, index_topk, *INDEX_TOPK)(q, k, w, q_seg, k_seg, topk, block_q,
+                                                            layout.slots(q_seg.shape))
 
 Axes: each argument of the wrapped function gets logical axis names for its leading dimensions (resolved by the
 logical-axis rules, `glmjax.parallel.rules.logical_spec`), "keys" marks the key dimension (split over context
@@ -78,7 +79,9 @@ class Layout:
 def context_size(mesh=None) -> int:
     """Devices on the `context` axis of the mesh in context (1: none, or inside a shard_map where it is manual)."""
     mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
-    if mesh.empty or AXIS not in mesh.axis_names or mesh._name_to_type[AXIS] == jax.sharding.AxisType.Manual:
+    if mesh.empty or AXIS not in mesh.axis_names:
+        return 1
+    if dict(zip(mesh.axis_names, mesh.axis_types))[AXIS] == jax.sharding.AxisType.Manual:
         return 1
     return mesh.shape[AXIS]
 
@@ -100,8 +103,9 @@ Q = ("batch", "sequence")  # [B,S] per-query arrays: segment ids, key slots, top
 QH = ("batch", "sequence", "heads")  # [B,S,H,...] attention queries and outputs, heads over tensor
 IQ = ("batch", "index_queries")  # [B,S,...] queries of the head-summing indexer functions (context x tensor)
 K = ("batch", KEYS)  # [B,T,...] keys shared by the heads: latent rows, indexer keys, key segment ids
-KH = ("batch", KEYS, "heads")  # [B,T,H,...] per-head keys / values
-FLASH = ((QH, KH, KH, Q, K, Q, None, None, None), (QH, QH, QH))  # flash_attention, per-head keys
+W = (None, "heads")  # [r,H,...] weights with a head axis (the latent up-projections)
+# mla.flash_from_latent: per-head keys / values are expanded from the gathered 576-wide latent rows on each shard
+LATENT_FLASH = ((QH, QH, K, K, W, W, Q, K, Q, None, None), (QH, QH, QH))
 INDEX_TOPK = ((IQ, K, IQ, IQ, K, None, None, IQ), (IQ, IQ))  # Backend.index_topk
 SPARSE_MLA = ((QH, K, Q), (QH, QH))  # Backend.sparse_mla
 GATHERED_INDEX_LOGITS = ((IQ, K, IQ, IQ, None), (IQ,))  # Backend.gathered_index_logits

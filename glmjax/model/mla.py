@@ -238,9 +238,19 @@ def dense_mla_blocked(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, segment_ids, scale, 
     layout: context parallelism (local queries, keys and values gathered, `context.local_queries`)."""
     q, k, v = expand_kv(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv)
     q_idx = jnp.broadcast_to(jnp.arange(q.shape[1], dtype=jnp.int32) if q_idx is None else q_idx, segment_ids.shape)
-    out, lse, row_max = local_queries(layout, flash_attention, *context.FLASH)(
-        q, k, v, segment_ids, segment_ids, q_idx, scale, block, block)
+    if layout is None:
+        out, lse, row_max = flash_attention(q, k, v, segment_ids, segment_ids, q_idx, scale, block, block)
+    else:  # each context shard gathers the latent rows (576 wide), not H x (d_qk + d_v) keys and values
+        out, lse, row_max = local_queries(layout, flash_from_latent, *context.LATENT_FLASH)(
+            q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, segment_ids, segment_ids, q_idx, scale, block)
     return out, jax.lax.stop_gradient(jnp.max(row_max)), dense_target(q, k, lse, scale, block)
+
+
+def flash_from_latent(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, q_seg, k_seg, q_idx, scale, block: int):
+    """flash_attention of the per-head queries against keys / values expanded here from the latent rows
+    c_kv [B,T,r_kv], k_pe [B,T,d_r] (`expand_kv`) -> (out [B,S,H,d_v], lse, row max)."""
+    q, k, v = expand_kv(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv)
+    return flash_attention(q, k, v, q_seg, k_seg, q_idx, scale, block, block)
 
 
 def dense_mla(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, segment_ids, scale):
