@@ -101,7 +101,7 @@ def packed_batch(vocab: int):
     return Batch(*(np.asarray(a) for a in b[:3]), mask), rng.normal(size=(len(DOCS), S)).astype(np.float32)
 
 
-def all_stages(graphdef, sparse_only: bool = False):
+def all_stages(graphdef):
     """(params, rest, batch, ppo weights) -> {stage group: ((loss, metrics), grads)}, per-token forward outputs.
 
     The dense stages are one loss: LM + MTP on the SFT mask (sft; pretrain is the same path without a mask) plus the
@@ -128,10 +128,8 @@ def all_stages(graphdef, sparse_only: bool = False):
             lp, ent = token_logprobs(h, m.lm_head[...], batch.tokens, TEMPERATURE, m.cfg.loss_chunk)
             return jnp.sum((lp + 0.1 * ent) * w), (lp, aux.attn_topk, aux.index_topk)
 
-        out = {"sparse_adapt+indexshare": stage("sparse", batch._replace(loss_mask=None))}
-        if sparse_only:
-            return out, None
-        out["pretrain/sft+dense_warmup"] = stage("dense", batch)
+        out = {"sparse_adapt+indexshare": stage("sparse", batch._replace(loss_mask=None)),
+               "pretrain/sft+dense_warmup": stage("dense", batch)}
         (loss, fwd), grads = jax.value_and_grad(ppo, has_aux=True)(params)
         out["ppo"] = ((loss, {}), grads)
         return out, dict(zip(("logp", "attn_topk", "index_topk"), fwd))
@@ -165,8 +163,6 @@ def assert_equal_to_reference(got, want):
             norm = np.linalg.norm(g1)
             err = np.linalg.norm(g - g1) / norm if norm else np.abs(g).max()
             assert err <= 1e-5, (name, jax.tree_util.keystr(path), err)
-    if fwd is None:
-        return
     np.testing.assert_allclose(fwd["logp"], fwd1["logp"], atol=2e-5, rtol=1e-5)  # per token, natural order
     np.testing.assert_array_equal(fwd["index_topk"], fwd1["index_topk"])  # the indexer's top-k: identical
     # the attention's top-k (streamed on the mesh, materialised on one device: near-ties may order differently) on
@@ -175,7 +171,7 @@ def assert_equal_to_reference(got, want):
     np.testing.assert_array_equal(fwd["attn_topk"][:, real], fwd1["attn_topk"][:, real])
 
 
-def context_stages_on_mesh(mesh, impl: str = "xla", sparse_only: bool = False, rows=None):
+def context_stages_on_mesh(mesh, impl: str = "xla", rows=None):
     """all_stages on `mesh` (zig-zag layout), state created sharded; rows: this process's rows (None: all)."""
     import jax
     from flax import nnx
@@ -187,7 +183,7 @@ def context_stages_on_mesh(mesh, impl: str = "xla", sparse_only: bool = False, r
     rows = np.arange(len(DOCS)) if rows is None else rows
     batch, w = par.global_batch(jax.tree.map(lambda a: a[rows], (batch, w)), mesh, len(DOCS))
     assert batch.tokens.sharding.spec[1] == "context"
-    return jax.jit(par.with_mesh(all_stages(graphdef, sparse_only), mesh), compiler_options=FAST)(
+    return jax.jit(par.with_mesh(all_stages(graphdef), mesh), compiler_options=FAST)(
         params, rest, batch, w)
 
 

@@ -1,7 +1,8 @@
-"""Context parallelism on 8 CPU devices (kernels interpreted): every stage's loss and gradients on `context=4` and
-on `context=2 x fsdp=2 x tensor=2` equal one device's, in the zig-zag layout, with packed documents that cross the
-context-shard boundaries, padding, and S = 56 (7 tokens per zig-zag chunk) a multiple of no block (block_q 16,
-loss_chunk 20; 14 or 28 local queries per shard); the layout's causal work per shard; top-k indices."""
+"""Context parallelism on 8 CPU devices (kernels interpreted): every stage's loss and gradients on context=4 x
+expert=2 (XLA attention) and on context=2 x fsdp=2 x tensor=2 (Pallas kernels) equal one device's, in the zig-zag
+layout, with packed documents that cross the context-shard boundaries, padding, and S = 56 (7 tokens per zig-zag
+chunk) a multiple of no block (block_q 16, loss_chunk 20; 14 or 28 local queries per shard); the layout's causal
+work per shard; top-k indices."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,9 +16,11 @@ from glmjax.model.indexer import index_topk
 from sharded_training import (DOCS, FAST, S, assert_equal_to_reference, context_reference,
                               context_stages_on_mesh)
 
-# context=4 with expert parallelism (the MoE's tokens split over expert x context, experts over expert)
-MESHES = {"context4_expert2": dict(data=1, expert=2, context=4), "context2_fsdp2_tensor2": dict(data=1, fsdp=2, context=2,
-                                                                                                tensor=2)}
+# (mesh, attention_impl): context=4 with expert parallelism (the MoE's tokens split over expert x context, experts
+# over expert) with the XLA functions; context=2 x fsdp=2 x tensor=2 with the Pallas kernels (the sparse stages'
+# top-k and sparse MLA; the dense stages run the same XLA functions either way). One compile per mesh.
+MESHES = {"context4_expert2_xla": (dict(data=1, expert=2, context=4), "xla"),
+          "context2_fsdp2_tensor2_pallas": (dict(data=1, fsdp=2, context=2, tensor=2), "pallas")}
 
 
 @pytest.fixture(scope="module")
@@ -26,22 +29,13 @@ def reference():
     return context_reference()
 
 
-def on_mesh(mesh_axes, impl, sparse_only):
-    return jax.device_get(context_stages_on_mesh(par.make_mesh(mesh_axes), impl, sparse_only))
-
-
-@pytest.mark.parametrize("mesh_name", sorted(MESHES))
-def test_every_stage_equals_one_device_xla(mesh_name, reference):
-    """Every stage's loss and every gradient (f32, <= 1e-5 relative) and the per-token outputs equal one device's."""
-    assert_equal_to_reference(on_mesh(MESHES[mesh_name], "xla", False), reference[-1])
-
-
-def test_sparse_stages_with_the_kernels_equal_one_device(reference, monkeypatch):
-    """attention_impl="pallas" (the indexer top-k and sparse MLA kernels in shard_map, local queries at their global
-    slots) on context=2 x fsdp=2 x tensor=2: the sparse stages equal one device's (XLA attention)."""
+@pytest.mark.parametrize("name", sorted(MESHES))
+def test_every_stage_equals_one_device(name, reference, monkeypatch):
+    """Every stage's loss and every gradient (f32, <= 1e-5 relative), PPO's per-token log-probs and the top-k
+    diagnostics on the mesh equal one device's (XLA attention)."""
     monkeypatch.setenv(pallas_kernels.common.INTERPRET_ENV, "fast")
-    got = on_mesh(MESHES["context2_fsdp2_tensor2"], "pallas", True)
-    assert_equal_to_reference(got, reference[-1])
+    mesh_axes, impl = MESHES[name]
+    assert_equal_to_reference(jax.device_get(context_stages_on_mesh(par.make_mesh(mesh_axes), impl)), reference[-1])
 
 
 def causal_work(perm: np.ndarray, shards: int, block: int | None = None) -> np.ndarray:
@@ -83,7 +77,7 @@ def test_indexer_topk_on_context_shards_selects_the_keys_of_one_device(reference
     q, k, w = (rng.normal(size=shape).astype(np.float32) for shape in ((B, S, H, D), (B, S, D), (B, S, H)))
     seg = np.asarray(reference[3].segment_ids)
     want, _ = index_topk(q, k, w, seg, seg, K, 16)
-    mesh = par.make_mesh(MESHES["context4_expert2"])
+    mesh = par.make_mesh(MESHES["context4_expert2_xla"][0])
     args = jax.device_put((q, k, w, seg), NamedSharding(mesh, P(None, "context")))
 
     def sharded(global_slots=True):
