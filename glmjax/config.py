@@ -70,6 +70,9 @@ class ModelConfig:
     attention_impl: str = "xla"  # "xla": top-k + gathered attention in XLA; "pallas": pallas_kernels/ (interpret off TPU)
     block_q: int = 256  # query block of the indexer top-k and the sparse attention (bounds [bq, T] / [bq, k] temps)
     loss_chunk: int = 512  # sequence chunk of the LM-head loss (never [B, S, V] at once)
+    # context parallelism (a mesh `context` axis > 1): "zigzag" (shard i holds chunks i and 2N-1-i of 2N: equal causal
+    # work) | "contiguous"; glmjax/model/context.py
+    context_layout: str = "zigzag"
     scan_layers: bool = True
     remat: str = "none"  # "none" | "full" | "save_dots"
 
@@ -200,6 +203,8 @@ class ModelConfig:
             fail("param_dtype", "must be float32 or bfloat16")
         if self.attention_impl not in ATTENTION_IMPLS:
             fail("attention_impl", f"must be one of {sorted(ATTENTION_IMPLS)}")
+        if self.context_layout not in ("zigzag", "contiguous"):
+            fail("context_layout", "must be 'zigzag' or 'contiguous'")
         if self.moe_impl not in ("auto", "ragged_dot", "blocked"):
             fail("moe_impl", "must be one of auto, ragged_dot, blocked")
         if self.moe_dispatch not in ("auto", "all_to_all", "ragged_all_to_all"):

@@ -3,7 +3,9 @@
 As a script it is one process of a multi-process run (tests/test_multihost.py starts two):
     python tests/sharded_training.py PROCESS_ID NUM_PROCESSES PORT CKPT_DIR OUT_JSON
 It trains STEPS_BEFORE steps with the trainer's sharded step, checkpoints with orbax from every process, restores into
-fresh arrays, checks them, trains STEPS_AFTER more steps and (process 0) writes the per-step losses as JSON.
+fresh arrays, checks them, trains STEPS_AFTER more steps and (process 0) writes the per-step losses as JSON; then it
+runs every stage's loss and gradients with context parallelism on CONTEXT_MESH, whose context shards lie on both
+processes, and (process 0) writes them next to the JSON (`context_npz`).
 """
 import json
 import os
@@ -74,6 +76,117 @@ def reference_losses(n_steps: int):
     return losses
 
 
+# ----- context parallelism: every stage's loss and gradients (tests/test_context_parallel.py, and the workers) -----
+S = 56  # 7 tokens per zig-zag chunk on 4 context shards; a multiple of no block (block_q 16, loss_chunk 20)
+DOCS = ((20, 25, 11), (56,), (9, 30, 10), (3, 40, 9))  # every row crosses shard boundaries; row 3 ends in padding
+FAST = {"xla_backend_optimization_level": 0}  # halves XLA:CPU's compile time of these tiny programs
+TEMPERATURE = 0.7
+CONTEXT_MESH = dict(data=1, fsdp=1, expert=1, context=4, tensor=2)  # multi-host: context shards on both processes
+
+
+def context_cfg(impl: str = "xla"):
+    """Layer 0 dense with its indexer, layer 1 MoE sharing its top-k (IndexShare), the MTP layer for 2 depths."""
+    from helpers import tiny
+    return tiny(attention_impl=impl, num_hidden_layers=2, first_k_dense_replace=1, indexer_types=("full", "shared"),
+                mtp_depth=2, init_std=0.1)  # init_std: a KL far from 0 (no cancellation in the 1e-5 check)
+
+
+def packed_batch(vocab: int):
+    """(Batch with an SFT loss mask, per-token PPO weights [B,S]) as numpy arrays: packed documents."""
+    from glmjax.model import Batch
+    from helpers import batch_from_docs
+    rng = np.random.default_rng(0)
+    b = batch_from_docs([[rng.integers(1, vocab, n) for n in row] for row in DOCS], S)
+    mask = (rng.random((len(DOCS), S)) < 0.6).astype(np.int32)
+    return Batch(*(np.asarray(a) for a in b[:3]), mask), rng.normal(size=(len(DOCS), S)).astype(np.float32)
+
+
+def all_stages(graphdef):
+    """(params, rest, batch, ppo weights) -> {stage group: ((loss, metrics), grads)}, per-token forward outputs.
+
+    The dense stages are one loss: LM + MTP on the SFT mask (sft; pretrain is the same path without a mask) plus the
+    indexer KL against dense attention (dense_warmup): the KL reaches only the indexers and the LM terms never do,
+    so the gradient holds each stage's gradient on its own parameters and the metrics each stage's loss. The sparse
+    stages (sparse_adapt; indexshare: layer 1 shares layer 0's top-k and its indexer distils toward both layers'
+    attention) are the LM + MTP + indexer KL in sparse mode, no mask. PPO: the actor's log-prob path (h back in
+    natural order, log-probs of the next token) with the dense top-k diagnostics of the same forward."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from glmjax.rl.trainer import token_logprobs
+
+    def fn(params, rest, batch, w):
+        def stage(mode, b):
+            def f(p):
+                loss, m = nnx.merge(graphdef, p, rest).loss(b, mode, lm_weight=1.0, index_loss_weight=1.0)
+                return loss, {k: m[k] for k in ("lm_loss", "mtp_loss", "index_kl")}
+            return jax.value_and_grad(f, has_aux=True)(params)
+
+        def ppo(p):
+            m = nnx.merge(graphdef, p, rest)
+            h, aux = m(batch._replace(loss_mask=None), "dense", topk_stats=True)
+            lp, ent = token_logprobs(h, m.lm_head[...], batch.tokens, TEMPERATURE, m.cfg.loss_chunk)
+            return jnp.sum((lp + 0.1 * ent) * w), (lp, aux.attn_topk, aux.index_topk)
+
+        out = {"sparse_adapt+indexshare": stage("sparse", batch._replace(loss_mask=None)),
+               "pretrain/sft+dense_warmup": stage("dense", batch)}
+        (loss, fwd), grads = jax.value_and_grad(ppo, has_aux=True)(params)
+        out["ppo"] = ((loss, {}), grads)
+        return out, dict(zip(("logp", "attn_topk", "index_topk"), fwd))
+
+    return fn
+
+
+def context_reference():
+    """One device, XLA attention: (graphdef, params, rest, batch, w, all_stages' results as numpy)."""
+    import jax
+    from flax import nnx
+    from glmjax.model import GLM
+    c = context_cfg("xla")
+    graphdef, params, rest = nnx.split(GLM(c, nnx.Rngs(0)), nnx.Param, ...)
+    batch, w = packed_batch(c.vocab_size)
+    out = jax.jit(all_stages(graphdef), compiler_options=FAST)(params, rest, batch, w)
+    return graphdef, params, rest, batch, w, jax.device_get(out)
+
+
+def assert_equal_to_reference(got, want):
+    """all_stages' results: losses and metrics (f32, <= 1e-5 relative), every gradient (<= 1e-5 relative norm),
+    per-token log-probs, the indexer's top-k identical, the attention's top-k identical on document queries."""
+    import jax
+    (stages, fwd), (stages1, fwd1) = got, want
+    for name, ((loss, metrics), grads) in stages.items():
+        (loss1, metrics1), grads1 = stages1[name]
+        np.testing.assert_allclose(loss, loss1, rtol=1e-5, err_msg=name)
+        for k in metrics:
+            np.testing.assert_allclose(metrics[k], metrics1[k], rtol=1e-5, err_msg=f"{name} {k}")
+        for (path, g), g1 in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(grads1)):
+            norm = np.linalg.norm(g1)
+            err = np.linalg.norm(g - g1) / norm if norm else np.abs(g).max()
+            assert err <= 1e-5, (name, jax.tree_util.keystr(path), err)
+    np.testing.assert_allclose(fwd["logp"], fwd1["logp"], atol=2e-5, rtol=1e-5)  # per token, natural order
+    np.testing.assert_array_equal(fwd["index_topk"], fwd1["index_topk"])  # the indexer's top-k: identical
+    # the attention's top-k (streamed on the mesh, materialised on one device: near-ties may order differently) on
+    # the queries of documents (padding queries see only padding keys, all but tied)
+    real = np.arange(S)[None] < np.asarray([sum(row) for row in DOCS])[:, None]  # [B,S] not padding
+    np.testing.assert_array_equal(fwd["attn_topk"][:, real], fwd1["attn_topk"][:, real])
+
+
+def context_stages_on_mesh(mesh, impl: str = "xla", rows=None):
+    """all_stages on `mesh` (zig-zag layout), state created sharded; rows: this process's rows (None: all)."""
+    import jax
+    from flax import nnx
+    from glmjax import parallel as par
+    from glmjax.model import GLM
+    c = context_cfg(impl)
+    graphdef, params, rest = par.create_sharded(lambda: GLM(c, nnx.Rngs(0)), mesh, nnx.Param, ...)
+    batch, w = packed_batch(c.vocab_size)
+    rows = np.arange(len(DOCS)) if rows is None else rows
+    batch, w = par.global_batch(jax.tree.map(lambda a: a[rows], (batch, w)), mesh, len(DOCS))
+    assert batch.tokens.sharding.spec[1] == "context"
+    return jax.jit(par.with_mesh(all_stages(graphdef), mesh), compiler_options=FAST)(
+        params, rest, batch, w)
+
+
 def worker(process_id: int, num_processes: int, port: int, ckpt_dir: str, out_json: str):
     import jax
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -125,7 +238,21 @@ def worker(process_id: int, num_processes: int, port: int, ckpt_dir: str, out_js
     if process_id == 0:
         with open(out_json, "w") as f:
             json.dump({"losses": losses, "rows": rows.tolist()}, f)
+
+    # context parallelism with the sequence split across the processes: every stage's loss and gradients
+    cmesh = par.make_mesh(CONTEXT_MESH)
+    crows = par.process_rows(par.batch_sharding(cmesh), len(DOCS))
+    assert len(crows) == len(DOCS), crows  # each process holds every row's share of the sequence
+    out = context_stages_on_mesh(cmesh, rows=crows)
+    flat = [np.asarray(multihost_utils.process_allgather(x, tiled=True)) for x in jax.tree.leaves(out)]
+    if process_id == 0:
+        np.savez(context_npz(out_json), *flat)
     jax.distributed.shutdown()
+
+
+def context_npz(out_json: str) -> str:
+    """Where the workers' context-parallel results go (process 0 writes them: all_stages' leaves, in order)."""
+    return os.path.splitext(out_json)[0] + "_context.npz"
 
 
 if __name__ == "__main__":

@@ -1,104 +1,95 @@
-"""Context parallelism and the Pallas kernels inside the sharded step, on 8 CPU devices (kernels interpreted):
-context=2 x fsdp=2 x tensor=2 gives the loss, gradients and top-k indices of one device, with packed documents that
-cross the context-shard boundary and S not a multiple of block_q."""
+"""Context parallelism on 8 CPU devices (kernels interpreted): every stage's loss and gradients on context=4 x
+expert=2 (XLA attention) and on context=2 x fsdp=2 x tensor=2 (Pallas kernels) equal one device's, in the zig-zag
+layout, with packed documents that cross the context-shard boundaries, padding, and S = 56 (7 tokens per zig-zag
+chunk) a multiple of no block (block_q 16, loss_chunk 20; 14 or 28 local queries per shard); the layout's causal
+work per shard; top-k indices."""
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import pallas_kernels
 from glmjax import parallel as par
-from glmjax.model import GLM, Batch
-from glmjax.model.backends import index_topk_on_mesh
-from helpers import batch_from_docs
-from sharded_training import small_cfg
+from glmjax.model import context
+from glmjax.model.indexer import index_topk
+from sharded_training import (DOCS, FAST, S, assert_equal_to_reference, context_reference,
+                              context_stages_on_mesh)
 
-MESH = dict(data=1, fsdp=2, context=2, tensor=2)
-S = 40  # 20 tokens per context shard; block_q 16 divides neither
-DOCS = ((15, 17, 8), (40,), (25, 15), (19, 3, 18))  # documents across position 20 in every row
-FAST = {"xla_backend_optimization_level": 0}  # halves XLA:CPU's compile time of these tiny programs
+# (mesh, attention_impl): context=4 with expert parallelism (the MoE's tokens split over expert x context, experts
+# over expert) with the XLA functions; context=2 x fsdp=2 x tensor=2 with the Pallas kernels (the sparse stages'
+# top-k and sparse MLA; the dense stages run the same XLA functions either way). One compile per mesh.
+MESHES = {"context4_expert2_xla": (dict(data=1, expert=2, context=4), "xla"),
+          "context2_fsdp2_tensor2_pallas": (dict(data=1, fsdp=2, context=2, tensor=2), "pallas")}
 
 
 @pytest.fixture(scope="module")
-def mesh():
-    return par.make_mesh(MESH)
+def reference():
+    """One device, XLA attention: (graphdef, params, rest, batch, w, stage results)."""
+    return context_reference()
 
 
-def packed_batch(vocab: int) -> Batch:
-    rng = np.random.default_rng(0)
-    return batch_from_docs([[rng.integers(1, vocab, n) for n in row] for row in DOCS], S)
-
-
-def cfg(impl):
-    """One MoE layer with its own indexer (the MoE's token shards now include the context axis)."""
-    return small_cfg(attention_impl=impl, num_hidden_layers=1, first_k_dense_replace=0, indexer_types=("full",))
-
-
-def kernel_placement(jaxpr, inside=False) -> set:
-    """{True: a pallas_call inside a shard_map, False: one outside} over a (closed) jaxpr and its sub-jaxprs."""
-    found = set()
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "pallas_call":
-            found.add(inside)
-        for v in eqn.params.values():
-            for sub in v if isinstance(v, (tuple, list)) else (v,):
-                sub = getattr(sub, "jaxpr", sub)
-                if hasattr(sub, "eqns"):
-                    found |= kernel_placement(sub, inside or eqn.primitive.name == "shard_map")
-    return found
-
-
-def test_sparse_stage_loss_and_gradients_equal_one_device(mesh, monkeypatch):
-    """Sparse attention + indexer KL (the sparse_adapt loss), attention_impl="pallas": one device vs the mesh (the
-    kernels inside shard_map, keys gathered over context, global query slots; the MoE's tokens split over fsdp x
-    context; the chunked LM loss, 2 chunks of 20), f32, <= 1e-5 relative for the loss and every parameter's
-    gradient; the XLA backend on the same mesh (XLA partitions it) gives the same loss."""
+@pytest.mark.parametrize("name", sorted(MESHES))
+def test_every_stage_equals_one_device(name, reference, monkeypatch):
+    """Every stage's loss and every gradient (f32, <= 1e-5 relative), PPO's per-token log-probs and the top-k
+    diagnostics on the mesh equal one device's (XLA attention)."""
     monkeypatch.setenv(pallas_kernels.common.INTERPRET_ENV, "fast")
-    c = cfg("pallas")
-    graphdef, init = par.sharded_init(lambda: GLM(c, nnx.Rngs(0)), mesh, nnx.Param, ...)
-    params, rest = init.lower().compile(FAST)()
-    batch = packed_batch(c.vocab_size)
-
-    def loss_fn(graphdef):
-        return lambda p, r, b: nnx.merge(graphdef, p, r).loss(b, "sparse", index_loss_weight=1.0)[0]
-
-    one_params, one_rest = jax.device_get((params, rest))
-    loss1, grads1 = jax.device_get(jax.jit(jax.value_and_grad(loss_fn(graphdef)), compiler_options=FAST)(
-        one_params, one_rest, batch))
-
-    sharded = Batch(*par.global_batch(tuple(np.asarray(a) for a in batch[:3]), mesh, len(DOCS)))
-    assert sharded.tokens.sharding.spec == P("fsdp", "context")
-    traced = jax.jit(par.with_mesh(jax.value_and_grad(loss_fn(graphdef)), mesh)).trace(params, rest, sharded)
-    assert kernel_placement(traced.jaxpr.jaxpr) == {True}  # every kernel call runs inside shard_map
-    loss, grads = traced.lower().compile(FAST)(params, rest, sharded)
-    np.testing.assert_allclose(float(loss), float(loss1), rtol=1e-5)
-    for (path, g), g1 in zip(jax.tree_util.tree_leaves_with_path(jax.device_get(grads)), jax.tree.leaves(grads1)):
-        err = np.linalg.norm(g - g1) / np.linalg.norm(g1)
-        assert err <= 1e-5, (jax.tree_util.keystr(path), err)
-
-    xla = nnx.graphdef(nnx.eval_shape(lambda: GLM(cfg("xla"), nnx.Rngs(0))))  # same state, XLA attention
-    loss_xla = jax.jit(par.with_mesh(loss_fn(xla), mesh), compiler_options=FAST)(params, rest, sharded)
-    np.testing.assert_allclose(float(loss_xla), float(loss1), rtol=1e-5)
+    mesh_axes, impl = MESHES[name]
+    assert_equal_to_reference(jax.device_get(context_stages_on_mesh(par.make_mesh(mesh_axes), impl)), reference[-1])
 
 
-def test_indexer_topk_on_the_mesh_selects_the_keys_of_one_device(mesh, monkeypatch):
-    """index_topk_on_mesh (queries over context x tensor, keys gathered) == one device (the kernel's XLA reference,
-    which tests/test_pallas.py holds the kernel to), slot for slot; negative control: the kernel in shard_map
-    without global query slots selects other keys."""
-    monkeypatch.setenv(pallas_kernels.common.INTERPRET_ENV, "fast")
+def causal_work(perm: np.ndarray, shards: int, block: int | None = None) -> np.ndarray:
+    """Per shard, the query-key pairs causal attention computes for its queries (natural slots perm[shard's
+    positions]): exactly (block None), or in (query block, key block) tiles the flash kernels skip when the key block
+    starts after the query block's last slot."""
+    work = []
+    for q in perm.reshape(shards, -1):
+        if block is None:
+            work.append(np.sum(q + 1))
+        else:
+            last = [np.max(q[i:i + block]) for i in range(0, len(q), block)]
+            work.append(sum(block * block * (int(m) // block + 1) for m in last))
+    return np.asarray(work, np.float64)
+
+
+@pytest.mark.parametrize("shards", [2, 4, 8])
+def test_zigzag_layout_balances_causal_work(shards):
+    """Zig-zag: per-shard causal attention FLOPs within 5% of each other (exactly equal pairs; in 256-row tiles at
+    GLM-5's 202,752 tokens too); the contiguous split is the negative control (shard N-1 does ~2N-1 times shard 0)."""
+    S_long = 202_752
+    zigzag, contiguous = context.Layout("zigzag", shards), context.Layout("contiguous", shards)
+    for S_, block in ((2 * shards * 7, None), (S_long, None), (S_long, 256)):
+        w = causal_work(zigzag.perm(S_), shards, block)
+        assert w.max() / w.min() <= 1.05, (S_, block, w)
+        assert np.array_equal(np.sort(zigzag.perm(S_)), np.arange(S_))  # a permutation
+    w = causal_work(contiguous.perm(S_long), shards)
+    assert w.max() / w.min() > 2 * shards - 1.5
+    if shards == 4:  # shard i holds chunks i and 2N-1-i
+        np.testing.assert_array_equal(zigzag.perm(16), [0, 1, 14, 15, 2, 3, 12, 13, 4, 5, 10, 11, 6, 7, 8, 9])
+
+
+def test_indexer_topk_on_context_shards_selects_the_keys_of_one_device(reference, monkeypatch):
+    """The XLA indexer top-k with local queries on context=4 (zig-zag, keys gathered and put back in natural order,
+    queries at their natural slots) == one device, slot for slot. Negative controls: without the global slots, and
+    without the key un-permutation, the indices differ."""
     B, H, D, K = len(DOCS), 4, 16, 8
     rng = np.random.default_rng(1)
     q, k, w = (rng.normal(size=shape).astype(np.float32) for shape in ((B, S, H, D), (B, S, D), (B, S, H)))
-    seg = packed_batch(64).segment_ids
-    want, _ = jax.jit(pallas_kernels.index_topk_reference, static_argnums=(5, 6))(q, k, w, seg, seg, K, 16)
+    seg = np.asarray(reference[3].segment_ids)
+    want, _ = index_topk(q, k, w, seg, seg, K, 16)
+    mesh = par.make_mesh(MESHES["context4_expert2_xla"][0])
+    args = jax.device_put((q, k, w, seg), NamedSharding(mesh, P(None, "context")))
 
-    args = jax.device_put((q, k, w, seg, seg), NamedSharding(mesh, P()))
-    got, _ = jax.jit(par.with_mesh(lambda *a: index_topk_on_mesh(*a, K, 16), mesh), compiler_options=FAST)(*args)
-    np.testing.assert_array_equal(got, want)
+    def sharded(global_slots=True):
+        def fn(q, k, w, seg):
+            layout = context.layout("zigzag", S)
+            q, k, w, seg = (layout.to_layout(a) for a in (q, k, w, seg))
+            slots = layout.slots(seg.shape) if global_slots else jnp.broadcast_to(jnp.arange(S), seg.shape)
+            ids, _ = context.local_queries(layout, index_topk, *context.INDEX_TOPK)(q, k, w, seg, seg, K, 16, slots)
+            return layout.to_natural(ids)
+        return np.asarray(jax.jit(par.with_mesh(fn, mesh), compiler_options=FAST)(*args))
 
-    queries, keys = P("fsdp", ("context", "tensor")), P("fsdp")
-    local = jax.jit(jax.shard_map(lambda *a: pallas_kernels.index_topk(*a, K, 16), mesh=mesh,
-                                  in_specs=(queries, keys, queries, queries, keys), out_specs=(queries, queries),
-                                  check_vma=False), compiler_options=FAST)(*args)[0]
-    assert not np.array_equal(local, want)  # local slots: later shards' queries see only their first keys
+    np.testing.assert_array_equal(sharded(), want)
+    assert not np.array_equal(sharded(global_slots=False), want)
+    monkeypatch.setattr(context.Layout, "to_natural", lambda self, x, axis=1: x)  # keys left in layout order
+    assert not np.array_equal(sharded(), want)

@@ -1,15 +1,19 @@
 """Two processes x 4 CPU devices on 127.0.0.1 (gloo collectives): sharded, expert-parallel training, an orbax
-checkpoint written and restored by both processes, and the same losses as one process on one device."""
+checkpoint written and restored by both processes, and the same losses as one process on one device; context
+parallelism with the sequence split across the processes (context=4 x tensor=2): every stage's loss and gradients
+equal one device's."""
 import json
 import os
 import socket
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
-from sharded_training import STEPS_AFTER, STEPS_BEFORE, reference_losses
+from sharded_training import (STEPS_AFTER, STEPS_BEFORE, assert_equal_to_reference, context_npz,
+                              context_reference, reference_losses)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -44,3 +48,8 @@ def test_two_processes_train_checkpoint_restore_and_match_single_process(tmp_pat
     ref = reference_losses(STEPS_BEFORE + STEPS_AFTER)
     np.testing.assert_allclose(got["losses"], ref, rtol=1e-4)  # float summation order differs
     assert ref[-1] < ref[0] - 1.0  # it learns (the sequences are predictable)
+
+    want = context_reference()[-1]
+    with np.load(context_npz(out)) as f:
+        leaves = [f[f"arr_{i}"] for i in range(len(f.files))]
+    assert_equal_to_reference(jax.tree.unflatten(jax.tree.structure(want), leaves), want)

@@ -104,7 +104,6 @@ def planned_divisor(path: tuple, s: dict) -> int:
 
 
 EXPECTED_SPECS = {  # (experts_gate [L,E,D,I], q_b_proj [L,r_q,H,d], embed_tokens [V,D]) per mesh
-    "data8": (P(None, None, None, None), P(None, None, None, None), P(None, None)),
     "fsdp4_tensor2": (P(None, None, "fsdp", "tensor"), P(None, "fsdp", "tensor", None), P("tensor", "fsdp")),
     "expert4_data2": (P(None, "expert", None, None), P(None, "expert", None, None), P(None, "expert")),
     "fsdp2_expert2_tensor2": (P(None, "expert", "fsdp", "tensor"), P(None, ("fsdp", "expert"), "tensor", None),
@@ -134,7 +133,8 @@ def bytes_on_device0(tree) -> int:
     return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
 
 
-@pytest.mark.parametrize("name", list(MESHES))
+# data8 (pure data parallelism, replicated parameters) is left out for time: every mesh here splits the batch too
+@pytest.mark.parametrize("name", [n for n in MESHES if n != "data8"])
 def test_sharded_train_step_equals_single_device(name, reference):
     cfg = small_cfg()
     mesh = par.make_mesh(MESHES[name])
@@ -151,8 +151,7 @@ def test_sharded_train_step_equals_single_device(name, reference):
     planned = sum(x.nbytes // planned_divisor(p, s) for p, x in {**flat(params), **flat(rest)}.items())
     total = sum(x.nbytes for x in jax.tree.leaves((params, rest)))
     assert bytes_on_device0((params, rest)) == planned, (bytes_on_device0((params, rest)), planned)
-    if name != "data8":
-        assert planned < total / 3
+    assert planned < total / 3
 
     tx = make_tx(params, cfg)
     opt_state = par.init_opt_state(tx, params, mesh)

@@ -52,22 +52,24 @@ def _target_block(targets, qbs, lsebs, kbs, vis):
     return total / len(targets)
 
 
-def _query_blocks(segment_ids, block: int):
-    """(bq, query segment blocks, query slot blocks padded with -1, key segment blocks, key block starts)."""
+def _query_blocks(segment_ids, block: int, k_seg=None, q_idx=None):
+    """(bq, query segment blocks, query slot blocks padded with -1, key segment blocks, key block starts).
+    k_seg [B,T] (default: the queries' segment ids) and q_idx [B,S] (default arange(S)): queries that are not the
+    keys, e.g. one context shard's queries at their global slots against all keys (glmjax/model/context.py)."""
     S = segment_ids.shape[1]
     b = min(block, S)
-    idx = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), segment_ids.shape)
-    sk = to_blocks(segment_ids, b)
-    return b, sk, to_blocks(idx, b, -1), sk, jnp.arange(sk.shape[0]) * b
+    idx = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32) if q_idx is None else q_idx, segment_ids.shape)
+    sk = to_blocks(segment_ids if k_seg is None else k_seg, b)
+    return b, to_blocks(segment_ids, b), to_blocks(idx, b, -1), sk, jnp.arange(sk.shape[0]) * b
 
 
-def streaming_index_kl(targets: list[DenseTarget], q, k, w, segment_ids, query_ok):
+def streaming_index_kl(targets: list[DenseTarget], q, k, w, segment_ids, query_ok, k_seg=None, q_idx=None):
     """sum over counted queries of KL(p || softmax(I)) with p the mean of `targets` (the layers a full layer serves,
     docs/model.md E.4) and I the index scores of the indexer outputs q [B,S,H_I,d_I], k [B,S,d_I], w [B,S,H_I] over
     the causal keys of the query's segment; counted: query_ok [B,S] and some target mass. Equals
     `indexer.index_kl(p, index_scores(q, k, w, seg, seg), query_ok)` without [B,S,T] -> (sum of KL, queries) f32.
-    Differentiable in q, k, w; blocks of targets[0].block."""
-    b, sq_all, iq_all, sk_all, starts = _query_blocks(segment_ids, targets[0].block)
+    Differentiable in q, k, w; blocks of targets[0].block. k_seg, q_idx: see `_query_blocks`."""
+    b, sq_all, iq_all, sk_all, starts = _query_blocks(segment_ids, targets[0].block, k_seg, q_idx)
     kb_all = to_blocks(k, b)
     tk_all = [to_blocks(t.k, b) for t in targets]
 
@@ -107,13 +109,14 @@ def streaming_index_kl(targets: list[DenseTarget], q, k, w, segment_ids, query_o
     return jnp.sum(kl), jnp.sum(counted).astype(f32)
 
 
-def streaming_attention_topk(target: DenseTarget, segment_ids, topk: int):
+def streaming_attention_topk(target: DenseTarget, segment_ids, topk: int, k_seg=None, q_idx=None):
     """Top-k keys of one layer's head-mean attention probabilities over the visible keys, merged block by block
     (block top-k, then top-k of [running, block]: ties keep the lowest key index). Equals
-    `indexer.masked_topk(where(visible, p, -inf), topk)` -> [B,S,min(topk, T)] int32, -1 = no key."""
+    `indexer.masked_topk(where(visible, p, -inf), topk)` -> [B,S,min(topk, T)] int32, -1 = no key. k_seg, q_idx:
+    see `_query_blocks`."""
     S, T = target.q.shape[1], target.k.shape[1]
     kk = min(topk, T)
-    b, sq_all, iq_all, sk_all, starts = _query_blocks(segment_ids, target.block)
+    b, sq_all, iq_all, sk_all, starts = _query_blocks(segment_ids, target.block, k_seg, q_idx)
     kb_all = to_blocks(target.k, b)
 
     def query_block(args):

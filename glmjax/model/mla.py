@@ -8,6 +8,7 @@ mode "sparse": the layer's indexer (or, on an IndexShare "shared" layer, the pre
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -15,7 +16,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from glmjax.config import ModelConfig
+from glmjax.model import context
 from glmjax.model.backends import BACKENDS, Backend
+from glmjax.model.context import Layout, local_queries
 from glmjax.model.flash_attention import flash_attention
 from glmjax.model.index_loss import DenseTarget, dense_target, streaming_attention_topk
 from glmjax.model.indexer import Indexer, index_scores, index_topk, masked_topk, visible
@@ -30,11 +33,13 @@ class Ctx(NamedTuple):
     sin: jax.Array
     segment_ids: jax.Array  # [B,S] int32, 0 = padding
     mode: str  # "dense" | "sparse"
-    q_idx: jax.Array | None = None  # [B,S] cache slot of each new token (cache only; consecutive per row)
+    q_idx: jax.Array | None = None  # [B,S] key slot of each query: a cache's new slots, or the context layout's
+    # natural slots (None: arange(S))
     kv_valid: jax.Array | None = None  # [B,T] int32, 1 where the cache slot holds a key (after this write)
     index_loss: bool = False  # training with an indexer KL: layers return its inputs (attn_p, index_logits)
     topk_stats: bool = False  # diagnostics (dense mode): layers return attn_topk, full layers index_topk
     backend: Backend | None = None  # sparse-mode functions; None: BACKENDS[cfg.attention_impl]
+    layout: Layout | None = None  # context parallelism: the sequence's layout (glmjax/model/context.py), no cache
 
 
 class AttnStats(NamedTuple):
@@ -114,9 +119,9 @@ class MLA(nnx.Module):
         cfg, seg = self.cfg, ctx.segment_ids
         args = (p.q_nope, p.q_pe, p.c_kv, p.k_pe, p.w_uk, p.w_uv, seg, cfg.softmax_scale)
         B, S, H = p.q_nope.shape[:3]
-        blocked = not materialise(B, H, S, S)
+        blocked = ctx.layout is not None or not materialise(B, H, S, S)
         if blocked:
-            o, max_logit, target = dense_mla_blocked(*args, cfg.block_q)
+            o, max_logit, target = dense_mla_blocked(*args, cfg.block_q, ctx.q_idx, ctx.layout)
         else:
             o, max_logit, attn_p = dense_mla(*args)
         if not (ctx.index_loss or ctx.topk_stats):
@@ -129,13 +134,16 @@ class MLA(nnx.Module):
             stats = stats._replace(attn_p=attn_p, index_logits=None if qkw is None else index_scores(*qkw, seg, seg))
         if ctx.topk_stats:
             if blocked:
-                attn_topk = streaming_attention_topk(target, seg, cfg.index_topk)
+                attn_topk = local_queries(ctx.layout, streaming_attention_topk,
+                                          (context.target_axes(target), context.IQ, None, context.K, context.IQ),
+                                          (context.IQ,))(target, seg, cfg.index_topk, seg, ctx.q_idx)
             else:
                 attn_topk = masked_topk(jnp.where(visible(seg, seg, jnp.arange(x.shape[1])), attn_p, -jnp.inf),
                                         cfg.index_topk)
             stats = stats._replace(
                 attn_topk=attn_topk,
-                index_topk=None if qkw is None else index_topk(*qkw, seg, seg, cfg.index_topk, cfg.block_q)[0])
+                index_topk=None if qkw is None else local_queries(ctx.layout, index_topk, *context.INDEX_TOPK)(
+                    *qkw, seg, seg, cfg.index_topk, cfg.block_q, ctx.q_idx)[0])
         return o, stats
 
     def absorbed_queries(self, p: Projected):
@@ -159,7 +167,8 @@ class MLA(nnx.Module):
         selects (or, on a shared layer, topk) -> o [B,S,H,d_v], topk used, AttnStats (attn_p and index_logits with
         ctx.index_loss, without a cache), cache (index keys written on full layers)."""
         cfg, q_seg = self.cfg, ctx.segment_ids
-        k_seg, q_idx = (q_seg, None) if cache is None else (ctx.kv_valid, ctx.q_idx)
+        k_seg, q_idx = (q_seg, ctx.q_idx) if cache is None else (ctx.kv_valid, ctx.q_idx)
+        on_context = functools.partial(local_queries, ctx.layout)  # local queries, gathered keys (no cache)
         fns = BACKENDS[cfg.attention_impl] if ctx.backend is None else ctx.backend
         q_abs = self.absorbed_queries(p)
         if self.indexer is not None:
@@ -167,14 +176,17 @@ class MLA(nnx.Module):
             if cache is not None:
                 cache = dict(cache, index_k=write_rows(cache["index_k"], ki, ctx.q_idx[:, 0]))
                 ki = cache["index_k"]
-            topk, _ = fns.index_topk(qi, ki, wi, q_seg, k_seg, cfg.index_topk, cfg.block_q, q_idx)
-        o_lat, lse = fns.sparse_mla(q_abs, latent, topk, scale=cfg.softmax_scale, kv_lora_rank=cfg.kv_lora_rank,
-                                    block_q=cfg.block_q)
+            topk, _ = on_context(fns.index_topk, *context.INDEX_TOPK)(qi, ki, wi, q_seg, k_seg, cfg.index_topk,
+                                                                      cfg.block_q, q_idx)
+        o_lat, lse = on_context(fns.sparse_mla, *context.SPARSE_MLA)(
+            q_abs, latent, topk, scale=cfg.softmax_scale, kv_lora_rank=cfg.kv_lora_rank, block_q=cfg.block_q)
         o = jnp.einsum("bshc,chv->bshv", o_lat, p.w_uv)
         if not ctx.index_loss or cache is not None:
             return o, topk, AttnStats(), cache
-        attn_p = sparse_attention_probs(q_abs, latent, topk, lse, scale=cfg.softmax_scale, block_q=cfg.block_q)
-        index_logits = None if self.indexer is None else fns.gathered_index_logits(qi, ki, wi, topk, cfg.block_q)
+        attn_p = on_context(sparse_attention_probs, *context.SPARSE_PROBS)(q_abs, latent, topk, lse,
+                                                                           scale=cfg.softmax_scale, block_q=cfg.block_q)
+        index_logits = None if self.indexer is None else on_context(
+            fns.gathered_index_logits, *context.GATHERED_INDEX_LOGITS)(qi, ki, wi, topk, cfg.block_q)
         return o, topk, AttnStats(attn_p=attn_p, index_logits=index_logits), cache
 
 
@@ -218,14 +230,27 @@ def expand_kv(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv):
     return jnp.concatenate([q_nope, q_pe], axis=-1), jnp.concatenate([k_nope, k_pe], axis=-1), v
 
 
-def dense_mla_blocked(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, segment_ids, scale, block: int):
+def dense_mla_blocked(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, segment_ids, scale, block: int, q_idx=None,
+                      layout: Layout | None = None):
     """`dense_mla` by flash attention in query and key blocks of `block`, O(S) memory forward and backward
     -> out [B,S,H,d_v], max logit (scalar, no gradient), DenseTarget (what the streamed indexer loss and top-k
-    recompute the head-mean probabilities from)."""
+    recompute the head-mean probabilities from). q_idx [B,S]: the key slot of each query (None: arange(S));
+    layout: context parallelism (local queries, keys and values gathered, `context.local_queries`)."""
     q, k, v = expand_kv(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv)
-    q_idx = jnp.broadcast_to(jnp.arange(q.shape[1], dtype=jnp.int32), segment_ids.shape)
-    out, lse, row_max = flash_attention(q, k, v, segment_ids, segment_ids, q_idx, scale, block, block)
+    q_idx = jnp.broadcast_to(jnp.arange(q.shape[1], dtype=jnp.int32) if q_idx is None else q_idx, segment_ids.shape)
+    if layout is None:
+        out, lse, row_max = flash_attention(q, k, v, segment_ids, segment_ids, q_idx, scale, block, block)
+    else:  # each context shard gathers the latent rows (576 wide), not H x (d_qk + d_v) keys and values
+        out, lse, row_max = local_queries(layout, flash_from_latent, *context.LATENT_FLASH)(
+            q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, segment_ids, segment_ids, q_idx, scale, block)
     return out, jax.lax.stop_gradient(jnp.max(row_max)), dense_target(q, k, lse, scale, block)
+
+
+def flash_from_latent(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, q_seg, k_seg, q_idx, scale, block: int):
+    """flash_attention of the per-head queries against keys / values expanded here from the latent rows
+    c_kv [B,T,r_kv], k_pe [B,T,d_r] (`expand_kv`) -> (out [B,S,H,d_v], lse, row max)."""
+    q, k, v = expand_kv(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv)
+    return flash_attention(q, k, v, q_seg, k_seg, q_idx, scale, block, block)
 
 
 def dense_mla(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, segment_ids, scale):

@@ -15,7 +15,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from glmjax.config import ModelConfig
+from glmjax.model import context
 from glmjax.model.blocks import from_blocks, to_blocks
+from glmjax.model.context import IQ, K, SUM, Layout, local_queries
 from glmjax.model.index_loss import streaming_index_kl
 from glmjax.model.indexer import index_kl
 from glmjax.model.layers import RMSNorm, dense, dtype_of, f32, normal_param, rope_tables
@@ -130,10 +132,13 @@ class Unit(nnx.Module):
 def unit_index_loss(stats: list[AttnStats], ctx: Ctx):
     """The unit's full layer (stats[0]) distils its indexer toward the mean attention distribution of every layer it
     serves (itself and the shared layers after it: docs/model.md E.4; a lone full layer is E.2 / E.3) -> (sum of KL, queries
-    counted). Blocked dense attention streams the KL over key blocks (`streaming_index_kl`, no [B,S,T])."""
+    counted). Blocked dense attention streams the KL over key blocks (`streaming_index_kl`, no [B,S,T]); under
+    context parallelism with each shard's queries against the gathered keys."""
     if stats[0].attn_target is not None:
-        return streaming_index_kl([st.attn_target for st in stats], *stats[0].index_qkw, ctx.segment_ids,
-                                  ctx.segment_ids > 0)
+        targets, seg = [st.attn_target for st in stats], ctx.segment_ids
+        axes = ([context.target_axes(t) for t in targets], IQ, K, IQ, IQ, IQ, K, IQ)
+        return local_queries(ctx.layout, streaming_index_kl, axes, (SUM, SUM))(
+            targets, *stats[0].index_qkw, seg, seg > 0, seg, ctx.q_idx)
     target = jnp.mean(jnp.stack([st.attn_p for st in stats]), axis=0)
     return index_kl(target, stats[0].index_logits, ctx.segment_ids > 0)
 
@@ -224,15 +229,28 @@ class GLM(nnx.Module):
         self.lm_head = normal_param(rngs, (D, V), ("embed", "vocab"), cfg)
         self.mtp = MTP(cfg, rngs) if cfg.has_mtp else None
 
-    def ctx(self, batch: Batch, mode: str, **flags) -> Ctx:
+    def layout(self, batch: Batch) -> Layout | None:
+        """The context-parallel layout of the batch's sequence on the mesh in context (None: not split)."""
+        return context.layout(self.cfg.context_layout, batch.tokens.shape[1])
+
+    def ctx(self, batch: Batch, mode: str, layout: Layout | None = None, **flags) -> Ctx:
+        """batch in the layout's order when given (queries at the layout's natural slots)."""
         cos, sin = rope_tables(batch.positions, self.cfg)
-        return Ctx(cos, sin, batch.segment_ids, mode, **flags)
+        q_idx = None if layout is None else layout.slots(batch.segment_ids.shape)
+        return Ctx(cos, sin, batch.segment_ids, mode, q_idx=q_idx, layout=layout, **flags)
 
     def __call__(self, batch: Batch, mode: str = "dense", **flags):
         """-> final post-norm hidden [B,S,D], Aux of the trunk's layers: expert_load, max_logit (dense mode), with
         index_loss=True index_kl_sum / index_kl_tokens, with topk_stats=True (dense) attn_topk and index_topk
-        (flags: see Ctx, e.g. backend=)."""
-        h, aux, _ = self.trunk(batch.tokens, self.ctx(batch, mode, **flags), None)
+        (flags: see Ctx, e.g. backend=). Under context parallelism the model runs in the layout's order and the
+        per-token outputs (h, the top-k diagnostics) come back in natural order."""
+        layout = self.layout(batch)
+        lb = to_layout(batch, layout)
+        h, aux, _ = self.trunk(lb.tokens, self.ctx(lb, mode, layout, **flags), None)
+        if layout is not None:
+            natural = lambda x: None if x is None else layout.to_natural(x, axis=2)  # noqa: E731  [L,B,S,k]
+            h = layout.to_natural(h)
+            aux = aux._replace(attn_topk=natural(aux.attn_topk), index_topk=natural(aux.index_topk))
         return h, aux
 
     def trunk(self, tokens, ctx: Ctx, caches):
@@ -259,8 +277,10 @@ class GLM(nnx.Module):
         targets, non-differentiable top-k), so one sum serves every stage. -> (loss, metrics dict)."""
         cfg = self.cfg
         with_kl = index_loss_weight > 0
-        h, aux = self(batch, mode, index_loss=with_kl)
-        targets, valid = shifted_targets(batch, 1)
+        layout = self.layout(batch)  # context parallelism: everything below runs in the layout's order
+        lb = to_layout(batch, layout)
+        h, aux, _ = self.trunk(lb.tokens, self.ctx(lb, mode, layout, index_loss=with_kl), None)
+        targets, valid = to_layout(shifted_targets(batch, 1), layout)  # shifted in natural order
         nll = token_nll(h, self.lm_head[...], targets, cfg.loss_chunk)
         lm_sum, lm_count = jnp.sum(nll * valid), jnp.sum(valid)
         lm = lm_sum / jnp.maximum(lm_count, 1.0)
@@ -287,12 +307,14 @@ class GLM(nnx.Module):
     def mtp_losses(self, batch: Batch, h, mode: str, index_loss: bool = False):
         """Per-depth CE [mtp_depth] and the MTP layer's Aux per depth (e.g. expert_load [D_mtp, E]). Depth k at slot i
         embeds t_{i+k} and predicts t_{i+k+1}, inside the same document. The depth loop is rematerialised with
-        `model.remat`, like the layer stacks."""
+        `model.remat`, like the layer stacks. batch in natural order, h in the layout's (`GLM.layout`)."""
         cfg, dt = self.cfg, dtype_of(self.cfg.dtype)
-        ctx = self.ctx(batch, mode, index_loss=index_loss)
+        layout = self.layout(batch)
+        ctx = self.ctx(to_layout(batch, layout), mode, layout, index_loss=index_loss)
         ks = range(1, cfg.mtp_depth + 1)
-        emb_tokens = jnp.stack([shift_left(batch.tokens, k, 0) for k in ks])
-        targets, valid = zip(*(shifted_targets(batch, k + 1) for k in ks))
+        # shifted in natural order (across context shards), then put in the layout's order
+        emb_tokens = jnp.stack([to_layout(shift_left(batch.tokens, k, 0), layout) for k in ks])
+        targets, valid = zip(*(to_layout(shifted_targets(batch, k + 1), layout) for k in ks))
 
         def depth(h_prev, xs):
             tok, tgt, ok = xs
@@ -305,6 +327,16 @@ class GLM(nnx.Module):
             depth = jax.checkpoint(depth, policy=REMAT[cfg.remat], prevent_cse=False)
         _, (losses, aux) = jax.lax.scan(depth, h, (emb_tokens, jnp.stack(targets), jnp.stack(valid)))
         return losses, aux
+
+
+def to_layout(x, layout: Layout | None):
+    """A [B,S,...] array, or a tuple of them / a Batch (None fields kept), in the layout's order (None: as is)."""
+    if layout is None:
+        return x
+    if isinstance(x, tuple):
+        out = [None if a is None else layout.to_layout(a) for a in x]
+        return type(x)(*out) if hasattr(x, "_fields") else tuple(out)
+    return layout.to_layout(x)
 
 
 def shift_left(x, n: int, fill):
@@ -320,21 +352,29 @@ def shifted_targets(batch: Batch, n: int):
     return shift_left(batch.tokens, n, 0), ok.astype(f32)
 
 
-def map_position_chunks(fn, h, targets, chunk: int):
-    """fn((h [B,c,D], targets [B,c])) -> tuple of [B,c] arrays, applied `chunk` positions at a time under remat
-    (lax.map), so whatever fn builds per chunk (e.g. [B,c,V] logits) never exists for all S positions, forward or
-    backward. h [B,S,D], targets [B,S] -> tuple of [B,S]."""
+def map_position_chunks(fn, h, targets, chunk: int, *params):
+    """fn((h [B,c,D], targets [B,c]), *params) -> tuple of [B,c] arrays, applied `chunk` positions at a time under
+    remat (lax.map), so whatever fn builds per chunk (e.g. [B,c,V] logits) never exists for all S positions, forward
+    or backward. h [B,S,D], targets [B,S], params (e.g. the LM head) -> tuple of [B,S]. On a mesh that splits the
+    sequence each context shard maps over its own positions (in any order: positions are independent); the tensor
+    axis stays with XLA, so the vocabulary split of the LM head is kept."""
+    layout = context.layout("contiguous", h.shape[1])
+    if layout is not None:
+        n = len(jax.eval_shape(fn, (h[:, :1], targets[:, :1]), *params))
+        return local_queries(layout, lambda h, t, *p: map_position_chunks(fn, h, t, chunk, *p),
+                             (context.Q, context.Q) + ((),) * len(params), (context.Q,) * n, auto=("tensor",))(
+            h, targets, *params)
     c = min(chunk, h.shape[1])
-    outs = jax.lax.map(jax.checkpoint(fn), (to_blocks(h, c), to_blocks(targets, c)))
+    outs = jax.lax.map(jax.checkpoint(lambda args: fn(args, *params)), (to_blocks(h, c), to_blocks(targets, c)))
     return tuple(from_blocks(o, h.shape[1]) for o in outs)
 
 
 def token_nll(h, head, targets, chunk: int):
     """-log softmax(h @ head)[target] per token [B,S] f32, `chunk` positions at a time (`map_position_chunks`)."""
 
-    def one(args):
+    def one(args, head):
         hc, tc = args
         logits = jnp.einsum("bcd,dv->bcv", hc, head.astype(hc.dtype), preferred_element_type=f32)
         return (jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(logits, tc[..., None], axis=-1)[..., 0],)
 
-    return map_position_chunks(one, h, targets, chunk)[0]
+    return map_position_chunks(one, h, targets, chunk, head)[0]

@@ -33,7 +33,8 @@ def default_parallel_config(**overrides) -> ml_collections.ConfigDict:
     c.data = -1  # mesh axis sizes; exactly one may be -1 = "all remaining devices"
     c.fsdp = 1
     c.expert = 1
-    c.context = 1  # context parallelism: the sequence split over this many devices (glmjax/parallel/rules.py)
+    c.context = 1  # context parallelism: the sequence split over this many devices (glmjax/model/context.py;
+    # the layout: model.context_layout, zig-zag by default; train.seq_len must divide by 2 x context)
     c.tensor = 1
     c.num_devices = 0  # 0 = every device; N = the first N (e.g. to leave devices to a rollout worker, or in tests)
     c.num_slices = 0  # 0 = count the devices' slice_index values; the data axis spans the slices

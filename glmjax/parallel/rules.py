@@ -6,9 +6,10 @@ Mesh axes (see `glmjax/parallel/mesh.py`):
   fsdp    batch split *and* parameters / optimizer state split along their "embed" dimension (ZeRO-3)
   expert  batch split; routed experts split along "experts" (tokens travel by all-to-all, `glmjax/model/moe.py`);
           every other weight is split along "embed" over it as well, so it acts as a second FSDP axis for them
-  context the sequence of every activation split (context parallelism): each shard holds S / context consecutive
-          tokens of every row; attention all-gathers the keys it needs (the 576-wide MLA latent rows and the
-          indexer keys, `glmjax/model/backends.py`). Parameters and optimizer state are split over it like over
+  context the sequence of every activation split (context parallelism): each shard holds S / context tokens of
+          every row (in the model's zig-zag layout: chunks i and 2N-1-i of 2N, equal causal work); every
+          sequence-blocked function runs with the shard's queries and all-gathers the keys it needs (MLA latent
+          rows, indexer keys, per-head K/V; `glmjax/model/context.py`). Parameters and optimizer state are split over it like over
           fsdp ("embed", "q_lora", "kv_lora"): context ranks, like fsdp ranks, see different tokens, so the
           gradients must be reduced over the axis anyway (a reduce-scatter instead of an all-reduce: no extra
           traffic) and the weights are already all-gathered layer by layer for FSDP (the gather group just grows);

@@ -16,7 +16,7 @@ import optax
 from flax import nnx
 
 from glmjax.model import GLM, Batch
-from glmjax.model.transformer import map_position_chunks
+from glmjax.model.transformer import map_position_chunks, shift_left
 from glmjax.optim import build_optimizer, make_schedule, validate_optim_config
 from glmjax.rl.losses import PolicyLossConfig, kl_k3, policy_loss, value_loss
 
@@ -33,15 +33,17 @@ def token_logprobs(h, head, tokens, temperature: float, chunk: int):
     entropy of that distribution), both [B,S] f32 with 0 at i = 0. Computed `chunk` positions at a time under remat,
     so the [B,S,V] logits never exist. The temperature matches the sampler's log-probs."""
 
-    def one(args):
+    def one(args, head):
         hc, tc = args
         logits = jnp.einsum("bcd,dv->bcv", hc, head.astype(hc.dtype), preferred_element_type=f32) / temperature
         logp_all = jax.nn.log_softmax(logits, axis=-1)
         lp = jnp.take_along_axis(logp_all, tc[..., None], axis=-1)[..., 0]
         return lp, -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
 
-    lp, ent = map_position_chunks(one, h[:, :-1], tokens[:, 1:], chunk)
-    first = lambda x: jnp.pad(x, ((0, 0), (1, 0)))  # noqa: E731  (no prediction for position 0)
+    # position i-1 predicts token i; all S positions are mapped (the last one's output is dropped), so the sequence
+    # keeps its length (a context-parallel mesh splits it evenly)
+    lp, ent = map_position_chunks(one, h, shift_left(tokens, 1, 0), chunk, head)
+    first = lambda x: jnp.pad(x[:, :-1], ((0, 0), (1, 0)))  # noqa: E731  (no prediction for position 0)
     return first(lp), first(ent)
 
 

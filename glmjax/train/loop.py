@@ -95,9 +95,11 @@ def check_config(config, init_exists: bool = True):
     validate_stage(config, cfg)
     validate_optim_config({**config.optim.to_dict(), "total_steps": config.train.steps})
     context = config.parallel.get("context", 1) if "parallel" in config else 1
-    if isinstance(context, int) and context > 1 and config.train.seq_len % context:
-        raise ConfigError(f"train.seq_len={config.train.seq_len}: must be a multiple of parallel.context={context} "
-                          "(each context shard holds an equal slice of the sequence)")
+    pieces = context * (2 if cfg.context_layout == "zigzag" else 1) if isinstance(context, int) else 1
+    if pieces > 1 and config.train.seq_len % pieces:
+        raise ConfigError(f"train.seq_len={config.train.seq_len}: must be a multiple of {pieces} (parallel.context="
+                          f"{context}, model.context_layout={cfg.context_layout!r}: each context shard holds "
+                          f"{pieces // context} equal chunk(s) of the sequence)")
     if init_exists and config.init_from:
         if not os.path.exists(config.init_from):
             raise ConfigError(f"init_from={config.init_from!r}: no such directory")
