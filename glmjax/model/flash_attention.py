@@ -10,6 +10,10 @@ Visibility is the one of `glmjax.model.indexer.visible`: key slot t is visible t
 t <= q_idx and the query's segment id equals the key's (training: q_idx = arange(S), k_seg = q_seg; against a
 cache: k_seg = kv_valid). Keys may be per head ([B,T,H,d], the MLA training form) or shared by all heads
 ([B,T,d], the absorbed MQA form over the latent).
+
+`flash_attention` is the one entry point: it runs this XLA implementation or, where it applies, a kernel
+(`dense_kernels.choose`: JAX's Pallas TPU splash attention for causal self-attention on TPU); every
+implementation computes the same visibility, and where a kernel cannot (explicit q_idx, MQA keys) this one runs.
 """
 from __future__ import annotations
 
@@ -18,21 +22,32 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from glmjax.model import dense_kernels
 from glmjax.model.blocks import from_blocks, to_blocks
 from glmjax.model.layers import f32
 
 
-def flash_attention(q, k, v, q_seg, k_seg, q_idx, scale: float, block_q: int, block_k: int):
+def flash_attention(q, k, v, q_seg, k_seg, q_idx, scale: float, block_q: int, block_k: int, impl: str = "auto"):
     """q [B,S,H,d], k [B,T,H,d] or [B,T,d], v [B,T,H,e] or [B,T,e] (same form as k), q_seg [B,S], k_seg [B,T],
-    q_idx [B,S] key slot of each query (every q_idx < T) -> (out [B,S,H,e] in v's dtype, lse [B,S,H] f32, row max
-    logit [B,S,H] f32). lse and the row max are -inf for a query with no visible key (its output is 0) and carry
-    no gradient; out is differentiable in q, k, v."""
+    q_idx [B,S] key slot of each query (every q_idx < T), or None: query s at key slot s (self-attention, S == T)
+    -> (out [B,S,H,e] in v's dtype, lse [B,S,H] f32, row max logit [B,S,H] f32). lse and the row max are -inf for a
+    query with no visible key (its output is 0) and carry no gradient; out is differentiable in q, k, v.
+    impl: `dense_kernels.DENSE_IMPLS` ("auto": the splash kernel on TPU where it applies, else this XLA flash)."""
     if k.ndim != v.ndim or k.shape[:2] != v.shape[:2]:
         raise ValueError(f"flash_attention: k {k.shape} and v {v.shape} must both be [B,T,H,.] or [B,T,.]")
     S, T = q.shape[1], k.shape[1]
+    if q_idx is None and S != T:
+        raise ValueError(f"flash_attention: q_idx None means self-attention, but S {S} != T {T}")
     bq, bk = min(block_q, S), min(block_k, T)
-    out, lse, row_max = _flash(q, k, v, q_seg.astype(jnp.int32), k_seg.astype(jnp.int32), q_idx.astype(jnp.int32),
-                               float(scale), bq, bk)
+    q_seg, k_seg = q_seg.astype(jnp.int32), k_seg.astype(jnp.int32)
+    if dense_kernels.choose(impl, q, k, q_idx) == "splash":
+        interpret = dense_kernels.platform() != "tpu"
+        out, lse = dense_kernels.splash_attention(q, k, v, q_seg, k_seg, scale, block_q, interpret)
+        idx = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), q_seg.shape)
+        row_max = _row_max(*map(jax.lax.stop_gradient, (q, k)), q_seg, k_seg, idx, float(scale), bq, bk)
+        return out, jax.lax.stop_gradient(lse), row_max
+    q_idx = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), q_seg.shape) if q_idx is None else q_idx
+    out, lse, row_max = _flash(q, k, v, q_seg, k_seg, q_idx.astype(jnp.int32), float(scale), bq, bk)
     return out, jax.lax.stop_gradient(lse), jax.lax.stop_gradient(row_max)
 
 
@@ -105,6 +120,29 @@ def _forward(q, k, v, q_seg, k_seg, q_idx, scale, bq, bk):
     sq_all, iq_all = _pad_queries(q_seg, q_idx, bq)
     outs = jax.lax.map(query_block, (to_blocks(q, bq), sq_all, iq_all))
     return tuple(from_blocks(o, S) for o in outs)
+
+
+def _row_max(q, k, q_seg, k_seg, q_idx, scale, bq, bk):
+    """Row max logit [B,S,H] f32 (-inf: no visible key) by a forward-only pass over (query, key) blocks: for a
+    kernel that does not return it. Same blocks and skips as `_forward`."""
+    kb_all, sk_all = to_blocks(k, bk), to_blocks(k_seg, bk)
+    starts = jnp.arange(kb_all.shape[0]) * bk
+
+    def query_block(args):
+        qb, sq, iq = args
+
+        def step(m, xs):
+            kb, sk, t0 = xs
+
+            def update(m):
+                return jnp.maximum(m, jnp.max(_scores(qb, kb, block_visible(sq, iq, sk, t0, bk), scale), axis=-1))
+
+            return jax.lax.cond(block_needed(sq, iq, sk, t0), update, lambda m: m, m), None
+
+        return jax.lax.scan(step, jnp.full(qb.shape[:3], -jnp.inf, f32), (kb_all, sk_all, starts))[0]
+
+    sq_all, iq_all = _pad_queries(q_seg, q_idx, bq)
+    return from_blocks(jax.lax.map(query_block, (to_blocks(q, bq), sq_all, iq_all)), q.shape[1])
 
 
 def _flash_fwd(q, k, v, q_seg, k_seg, q_idx, scale, bq, bk):

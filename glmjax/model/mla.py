@@ -2,7 +2,8 @@
 
 mode "dense":  plain causal MLA with per-head keys/values expanded from the latent (training, dense warm-up);
                against a cache (prefill / decode), absorbed attention over every visible cache row. Key ranges
-               past a size run blocked (flash_attention.py, O(S) memory; the cost rule `materialise`).
+               past a size run blocked (flash_attention.py, O(S) memory; the cost rule `materialise`), in training
+               by JAX's splash kernel on TPU (`model.dense_attention_impl`, dense_kernels.py).
 mode "sparse": the layer's indexer (or, on an IndexShare "shared" layer, the previous full layer's indices)
                selects k keys per query; attention gathers those k rows of the 576-d latent cache in MQA form.
 """
@@ -110,13 +111,14 @@ class MLA(nnx.Module):
     def dense_training(self, x, p: Projected, ctx: Ctx):
         """Causal MLA over this sequence with per-head keys/values -> o [B,S,H,d_v], AttnStats (max_logit; with
         ctx.index_loss attn_p and index_logits, or (blocked) attn_target and index_qkw; attn_topk and
-        index_topk with ctx.topk_stats). Materialised while `materialise`, else blocked (flash)."""
+        index_topk with ctx.topk_stats). Materialised while `materialise` (unless model.dense_attention_impl is
+        "splash"), else blocked (flash_attention: the splash kernel or the XLA flash)."""
         cfg, seg = self.cfg, ctx.segment_ids
         args = (p.q_nope, p.q_pe, p.c_kv, p.k_pe, p.w_uk, p.w_uv, seg, cfg.softmax_scale)
         B, S, H = p.q_nope.shape[:3]
-        blocked = not materialise(B, H, S, S)
+        blocked = cfg.dense_attention_impl == "splash" or not materialise(B, H, S, S)
         if blocked:
-            o, max_logit, target = dense_mla_blocked(*args, cfg.block_q)
+            o, max_logit, target = dense_mla_blocked(*args, cfg.block_q, cfg.dense_attention_impl)
         else:
             o, max_logit, attn_p = dense_mla(*args)
         if not (ctx.index_loss or ctx.topk_stats):
@@ -218,13 +220,12 @@ def expand_kv(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv):
     return jnp.concatenate([q_nope, q_pe], axis=-1), jnp.concatenate([k_nope, k_pe], axis=-1), v
 
 
-def dense_mla_blocked(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, segment_ids, scale, block: int):
+def dense_mla_blocked(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, segment_ids, scale, block: int, impl: str = "auto"):
     """`dense_mla` by flash attention in query and key blocks of `block`, O(S) memory forward and backward
     -> out [B,S,H,d_v], max logit (scalar, no gradient), DenseTarget (what the streamed indexer loss and top-k
-    recompute the head-mean probabilities from)."""
+    recompute the head-mean probabilities from). impl: `dense_kernels.DENSE_IMPLS`."""
     q, k, v = expand_kv(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv)
-    q_idx = jnp.broadcast_to(jnp.arange(q.shape[1], dtype=jnp.int32), segment_ids.shape)
-    out, lse, row_max = flash_attention(q, k, v, segment_ids, segment_ids, q_idx, scale, block, block)
+    out, lse, row_max = flash_attention(q, k, v, segment_ids, segment_ids, None, scale, block, block, impl)
     return out, jax.lax.stop_gradient(jnp.max(row_max)), dense_target(q, k, lse, scale, block)
 
 
