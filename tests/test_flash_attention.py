@@ -164,7 +164,8 @@ def test_dense_attention_choice_follows_platform_override_and_fit():
     with pytest.raises(ValueError, match="'cudnn'"):
         dense_kernels.choose("cudnn", q, q, None)
     seg = jnp.ones((1, 16), jnp.int32)
-    jaxpr = lambda impl: str(jax.make_jaxpr(lambda q: flash_attention(q, q, q, seg, seg, None, 1, 8, 8, impl))(q))  # noqa
+    jaxpr = lambda impl: str(jax.make_jaxpr(  # noqa: E731
+        lambda q: flash_attention(q, q, q, seg, seg, None, 1.0, 8, 8, impl))(q))
     assert "pallas_call" in jaxpr("splash") and "pallas_call" not in jaxpr("auto")
 
 
