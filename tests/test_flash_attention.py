@@ -18,8 +18,10 @@ from glmjax.model import GLM, dense_kernels
 from glmjax.model.flash_attention import block_needed, flash_attention
 from glmjax.model.indexer import visible
 from glmjax.model.layers import rope_tables
+from glmjax.model.transformer import unit_index_loss
 
 BLOCK = 8
+FAST = {"xla_backend_optimization_level": 0}
 
 
 def rand(key, shape, scale=1.0):
@@ -201,3 +203,37 @@ def test_glm5_dense_layer_loss_compiles_for_v5p_with_the_splash_kernel():
         hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(*args).compile().as_text()
     assert hlo.count('custom_call_target="tpu_custom_call"') == 3
     assert f"{S},{S}]" not in hlo and f"{S}, {S}]" not in hlo
+
+
+def test_head_grouped_layer_equals_the_materialised_layer(monkeypatch):
+    """One MLA layer (H 4 in 2 head groups, each group's keys / values / output projection in a rematerialised
+    step) vs the materialised layer: output, max logit, the streamed indexer KL (it uses the groups' lse) and the
+    gradients of sum(out * ct) + KL w.r.t. every parameter and the input; packed documents, S = 37. The grouping
+    is the same for every dense_attention_impl (the splash kernel itself: the tests above)."""
+    cfg = tiny(num_attention_heads=4, block_q=BLOCK, init_std=0.3)
+    graphdef, params = nnx.split(mla.MLA(cfg, True, nnx.Rngs(0)))
+    seg, S = packed_segments(), 37
+    cos, sin = jax.jit(rope_tables, static_argnums=1)(np.broadcast_to(np.arange(S), (2, S)), cfg)
+    x, ct = rand(50, (2, S, cfg.hidden_size)), rand(51, (2, S, cfg.hidden_size), 0.01)
+
+    def run(params, x):
+        def loss(params, x):
+            ctx = mla.Ctx(cos, sin, seg, "dense", index_loss=True)
+            out, _, stats, _ = nnx.merge(graphdef, params)(x, ctx, jnp.zeros((2, S, 0), jnp.int32))
+            kl, n = unit_index_loss([stats], ctx)
+            return jnp.sum(out * ct) + kl / n, (out, stats.max_logit, kl)
+        return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x)
+
+    monkeypatch.setattr(mla, "MATERIALISE_MAX_SCORES", float("inf"))
+    (_, ref), ref_grads = jax.jit(lambda *a: run(*a), compiler_options=FAST)(params, x)  # new fn: a new trace
+    monkeypatch.setattr(mla, "MATERIALISE_MAX_SCORES", 0)
+    monkeypatch.setattr(mla, "HEAD_GROUP_ROWS", 2 * S)
+    assert mla.head_groups(S, 4) == 2
+    (_, got), grads = jax.jit(lambda *a: run(*a), compiler_options=FAST)(params, x)
+    for name, a, b in zip(("out", "max_logit", "kl"), got, ref):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5, err_msg=name)
+    flat = lambda g: list(nnx.to_flat_state(g[0])) + [(("x",), g[1])]  # noqa: E731
+    for (path, a), (_, b) in zip(flat(grads), flat(ref_grads)):
+        a, b = (v[...] if isinstance(v, nnx.Variable) else v for v in (a, b))
+        assert float(jnp.max(jnp.abs(b))) > 0, path
+        np.testing.assert_allclose(a, b, atol=1e-4, err_msg=str(path))

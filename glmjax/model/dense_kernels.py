@@ -95,8 +95,9 @@ def _splash_fn(H: int, S: int, b: int, interpret: bool):
     sizes = splash.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b,
                               block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b)
     mask = splash.MultiHeadMask([splash.CausalMask((S, S))] * H)
-    kernel = splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, save_residuals=True,
-                                    interpret=interpret)
+    with jax.ensure_compile_time_eval():  # its mask tables are constants, not values of the trace that builds it
+        kernel = splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, save_residuals=True,
+                                        interpret=interpret)
     kw = kernel.kwargs
 
     def fwd(q, k, v, q_seg, k_seg):
