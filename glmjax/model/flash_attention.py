@@ -2,8 +2,8 @@
 
 Queries run in blocks of `block_q` (a `lax.map`), keys in blocks of `block_k` (a `lax.scan` carrying the running
 row max m, the running sum l and the unnormalised output); only [B, block_q, H, block_k] scores are live at a time.
-A `jax.custom_vjp` backward recomputes the score blocks from q, k and the saved per-row log-sum-exp, so neither
-pass stores [B,H,S,T]. A (query block, key block) pair with no visible key is skipped (`lax.cond`): causally
+A `jax.custom_vjp` backward (two passes: dq per query block, dk and dv per key block) recomputes the score blocks
+from q, k and the saved per-row log-sum-exp, so neither pass stores [B,H,S,T] nor carries a [B,S,H,d] f32 sum. A (query block, key block) pair with no visible key is skipped (`lax.cond`): causally
 (its first key slot is after the block's last query slot) or by segments (their id ranges do not intersect).
 
 Visibility is the one of `glmjax.model.indexer.visible`: key slot t is visible to a query at slot q_idx iff
@@ -151,47 +151,55 @@ def _flash_fwd(q, k, v, q_seg, k_seg, q_idx, scale, bq, bk):
 
 
 def _flash_bwd(scale, bq, bk, res, cts):
-    """Outer scan over key blocks (dk, dv of the block accumulated over query blocks), inner scan over query blocks
-    (dq carried whole, updated one block at a time). p = exp(s - lse), ds = p (dp - rowsum(do * out)) * scale."""
+    """Two passes, each carrying one block only: dq by query block (a scan over key blocks), then dk, dv by key
+    block (a scan over query blocks); both recompute p = exp(s - lse) and ds = p (dp - rowsum(do * out)) * scale.
+    No [B,S,H,d] f32 accumulator is carried through the loops (XLA copies a large loop carry at each skipped
+    block's conditional), at the price of recomputing s and dp once more."""
     q, k, v, q_seg, k_seg, q_idx, out, lse = res
     do = cts[0]
     S, T = q.shape[1], k.shape[1]
     spec = _specs(k)
     delta = jnp.sum(do.astype(f32) * out.astype(f32), axis=-1)  # [B,S,H]
     sq_all, iq_all = _pad_queries(q_seg, q_idx, bq)
-    qb_all, dob_all = to_blocks(q, bq), to_blocks(do, bq)
-    lse_all, delta_all = to_blocks(lse, bq), to_blocks(delta, bq)
-    nq = qb_all.shape[0]
-    kb_all, vb_all, sk_all = to_blocks(k, bk), to_blocks(v, bk), to_blocks(k_seg, bk)
+    q_blocks = (to_blocks(q, bq), to_blocks(do, bq), sq_all, iq_all, to_blocks(lse, bq), to_blocks(delta, bq))
+    k_blocks = (to_blocks(k, bk), to_blocks(v, bk), to_blocks(k_seg, bk), jnp.arange(-(-T // bk)) * bk)
 
-    def key_block(dq, xs):
-        kb, vb, sk, t0 = xs
+    def grads_of_scores(qs, ks):
+        """(p [B,bq,H,bk], ds in q's dtype) of one (query block, key block) pair."""
+        (qb, dob, sq, iq, lseb, deltab), (kb, vb, sk, t0) = qs, ks
+        vis = block_visible(sq, iq, sk, t0, bk)
+        p = jnp.where(vis[:, :, None, :], jnp.exp(_scores(qb, kb, vis, scale) - lseb[..., None]), 0.0)
+        dp = jnp.einsum(spec["dp"], dob, vb, preferred_element_type=f32)
+        return p, (p * (dp - deltab[..., None]) * scale).astype(q.dtype)
 
-        def q_step(carry, i):
+    def skip_unless_needed(qs, ks, update, carry):
+        return jax.lax.cond(block_needed(qs[2], qs[3], ks[2], ks[3]), update, lambda c: c, carry)
+
+    def dq_block(qs):
+        def step(dq, ks):
+            update = lambda dq: dq + jnp.einsum(spec["dq"], grads_of_scores(qs, ks)[1], ks[0],  # noqa: E731
+                                                preferred_element_type=f32)
+            return skip_unless_needed(qs, ks, update, dq), None
+
+        return jax.lax.scan(step, jnp.zeros(qs[0].shape, f32), k_blocks)[0].astype(q.dtype)
+
+    def dkv_block(ks):
+        def step(carry, qs):
             def update(carry):
-                dq, dk, dv = carry
-                qb, dob, sq, iq = qb_all[i], dob_all[i], sq_all[i], iq_all[i]
-                vis = block_visible(sq, iq, sk, t0, bk)
-                s = _scores(qb, kb, vis, scale)
-                p = jnp.where(vis[:, :, None, :], jnp.exp(s - lse_all[i][..., None]), 0.0)
-                dv = dv + jnp.einsum(spec["dv"], p.astype(do.dtype), dob, preferred_element_type=f32)
-                dp = jnp.einsum(spec["dp"], dob, vb, preferred_element_type=f32)
-                ds = (p * (dp - delta_all[i][..., None]) * scale).astype(q.dtype)
-                dk = dk + jnp.einsum(spec["dk"], ds, qb, preferred_element_type=f32)
-                dq_i = jnp.einsum(spec["dq"], ds, kb, preferred_element_type=f32)
-                dq = jax.lax.dynamic_update_index_in_dim(dq, dq[i] + dq_i, i, 0)
-                return dq, dk, dv
+                p, ds = grads_of_scores(qs, ks)
+                return (carry[0] + jnp.einsum(spec["dk"], ds, qs[0], preferred_element_type=f32),
+                        carry[1] + jnp.einsum(spec["dv"], p.astype(do.dtype), qs[1], preferred_element_type=f32))
 
-            return jax.lax.cond(block_needed(sq_all[i], iq_all[i], sk, t0), update, lambda c: c, carry), None
+            return skip_unless_needed(qs, ks, update, carry), None
 
-        init = (dq, jnp.zeros(kb.shape, f32), jnp.zeros(vb.shape, f32))
-        (dq, dk, dv), _ = jax.lax.scan(q_step, init, jnp.arange(nq))
-        return dq, (dk, dv)
+        init = (jnp.zeros(ks[0].shape, f32), jnp.zeros(ks[1].shape, f32))
+        dk, dv = jax.lax.scan(step, init, q_blocks)[0]
+        return dk.astype(k.dtype), dv.astype(v.dtype)
 
-    starts = jnp.arange(kb_all.shape[0]) * bk
-    dq, (dk, dv) = jax.lax.scan(key_block, jnp.zeros(qb_all.shape, f32), (kb_all, vb_all, sk_all, starts))
-    return (from_blocks(dq, S).astype(q.dtype), from_blocks(dk, T).astype(k.dtype), from_blocks(dv, T).astype(v.dtype),
-            None, None, None)
+    dq = jax.lax.map(dq_block, q_blocks)
+    dk, dv = jax.lax.map(dkv_block, k_blocks)
+    return from_blocks(dq, S), from_blocks(dk, T), from_blocks(dv, T), None, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
+
