@@ -4,7 +4,8 @@ Queries run in blocks of `block_q` (a `lax.map`), keys in blocks of `block_k` (a
 row max m, the running sum l and the unnormalised output); only [B, block_q, H, block_k] scores are live at a time.
 A `jax.custom_vjp` backward (two passes: dq per query block, dk and dv per key block) recomputes the score blocks
 from q, k and the saved per-row log-sum-exp, so neither pass stores [B,H,S,T] nor carries a [B,S,H,d] f32 sum.
-A (query block, key block) pair with no visible key is skipped (`lax.cond`): causally (its first key slot is after the block's last query slot) or by segments (their id ranges do not intersect).
+A (query block, key block) pair with no visible key is skipped (`lax.cond`): causally (its first key slot is after
+the block's last query slot) or by segments (their id ranges do not intersect).
 
 Visibility is the one of `glmjax.model.indexer.visible`: key slot t is visible to a query at slot q_idx iff
 t <= q_idx and the query's segment id equals the key's (training: q_idx = arange(S), k_seg = q_seg; against a
