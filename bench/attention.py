@@ -438,6 +438,8 @@ def table(results: list[dict], seq_lens) -> str:
     for S in seq_lens:
         dense = by.get((S, "dense"))
         for v in labels:
+            if (S, v) not in by:
+                continue
             r = by[(S, v)]
             med = r["median_s"]
             ratio = "-"
@@ -450,6 +452,8 @@ def table(results: list[dict], seq_lens) -> str:
         lines += ["", "| variant | S | temp-memory growth | median-time growth |", "|---|---|---:|---:|"]
         for v in labels:
             for a, b in zip(seq_lens[:-1], seq_lens[1:]):
+                if (a, v) not in by or (b, v) not in by:
+                    continue
                 ra, rb = by[(a, v)], by[(b, v)]
                 mem = rb["temp_bytes"] / ra["temp_bytes"] if ra["temp_bytes"] else float("nan")
                 tg = (f"{rb['median_s'] / ra['median_s']:.2f}x" if ra["median_s"] and rb["median_s"] else "-")
