@@ -2,7 +2,9 @@
 """Forward+backward benchmark of one GLM-5-proportioned attention layer on CPU: dense MLA vs DSA sparse.
 
 Variants (all the same `glmjax.model.mla.MLA`, float32, batch 1, k = index_topk = S // topk_div):
-  dense   Ctx(mode="dense"): causal MLA with per-head K/V expanded from the latent ([B,H,S,T] logits).
+  dense   Ctx(mode="dense"): causal MLA with per-head K/V expanded from the latent, by the default cost rule
+          (`mla.materialise`): blocked (XLA flash, O(S) memory) at these sizes.
+  dense_mat  the same with the materialised [B,H,S,T] path forced (what every length ran before the blocked path).
   sparse  has_indexer=True, mode "sparse": the layer's lightning indexer picks k keys per query (top-k inside the
           timed function), attention gathers those k latent rows (MQA form).
   shared  has_indexer=False, mode "sparse": an IndexShare "shared" layer; its [B,S,k] top-k indices are an input,
@@ -10,8 +12,8 @@ Variants (all the same `glmjax.model.mla.MLA`, float32, batch 1, k = index_topk 
 
 The timed function is jax.jit(jax.grad(loss, argnums=(params, x))) with loss = sum(layer(x) * cotangent) for a
 fixed random cotangent. Each (S, variant) is compiled once (compile time reported separately), run `--warmup`
-times, then timed `--repeats` times; the median is reported. Temp memory is XLA's own number:
-jax.jit(f).lower(...).compile().memory_analysis().temp_size_in_bytes.
+times, then timed `--repeats` times, the variants of one S interleaved round by round; the median is reported.
+Temp memory is XLA's own number: jax.jit(f).lower(...).compile().memory_analysis().temp_size_in_bytes.
 
 The layer's dims are GLM-5's divided by `--scale` (heads, LoRA ranks, head dims, indexer heads/dims, hidden):
 GLM-5 = H 64, q_lora 2048, kv_lora 512, qk_nope 192, qk_rope 64, v 256, H_I 32, d_I 128, hidden 6144.
@@ -21,6 +23,8 @@ forward and forward+backward, the gather's backward alone, the projections, the 
 
 Quick check:   python bench/attention.py --seq-lens 1024 2048 --check
 Real sizes:    python bench/attention.py --seq-lens 4096 8192 --scale 8 --block-q 128 256
+Issue #15:     python bench/attention.py --seq-lens 8192 32768 --variants dense_mat dense sparse --block-q 128
+               (dense_mat is skipped where its f32 [H,S,S] scores alone exceed MemAvailable, e.g. S = 32768)
 (--scale 4 is the closer proportion, but its dense layer needs 20.7 GB of temp memory at S=8192; configurations
 that do not fit in --max-mem-frac of MemAvailable are compiled and reported, not run. See docs/benchmarks.md.)
 """
@@ -34,20 +38,23 @@ import statistics
 import sys
 import time
 
-import jax
-import jax.numpy as jnp
-from flax import nnx
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's glmjax
 
-from glmjax.config import ModelConfig
-from glmjax.model.backends import BACKENDS, Backend
-from glmjax.model.indexer import index_logits, index_topk, visible
-from glmjax.model.layers import rope_tables
-from glmjax.model.mla import MLA, Ctx, dense_mla
-from glmjax.model.sparse_attention import sparse_mla_xla
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import glmjax.model.mla as mla_module  # noqa: E402
+from glmjax.config import ModelConfig  # noqa: E402
+from glmjax.model.backends import BACKENDS, Backend  # noqa: E402
+from glmjax.model.indexer import index_logits, index_topk, visible  # noqa: E402
+from glmjax.model.layers import rope_tables  # noqa: E402
+from glmjax.model.mla import MLA, Ctx, dense_mla  # noqa: E402
+from glmjax.model.sparse_attention import sparse_mla_xla  # noqa: E402
 
 GLM5 = dict(hidden_size=6144, num_attention_heads=64, q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192,
             qk_rope_head_dim=64, v_head_dim=256, index_n_heads=32, index_head_dim=128)
-VARIANTS = ("dense", "sparse", "shared")
+VARIANTS = ("dense_mat", "dense", "sparse", "shared")
 MB = 1024 * 1024
 COMPILE_ONLY = False  # set by --compile-only: report compile time and temp memory, execute nothing
 
@@ -173,10 +180,53 @@ def measure(fn, args, repeats: int, warmup: int, max_mem_frac: float, name: str)
     return res
 
 
-def bench_layer(seq_len: int, variant: str, block_q: int, args) -> dict:
+def compile_one(fn, args, name: str):
+    """-> (compiled, result dict with compile time and XLA's memory numbers)."""
+    t0 = time.perf_counter()
+    compiled = jax.jit(fn).lower(*args).compile()
+    ma = compiled.memory_analysis()
+    return compiled, dict(name=name, compile_s=time.perf_counter() - t0, temp_bytes=int(ma.temp_size_in_bytes),
+                          argument_bytes=int(ma.argument_size_in_bytes), output_bytes=int(ma.output_size_in_bytes),
+                          times=[], cpu_times=[], median_s=None, min_s=None, cpu_median_s=None, skipped=None)
+
+
+def measure_interleaved(items, repeats: int, warmup: int, max_mem_frac: float) -> list[dict]:
+    """items: [(name, fn, args)] -> one result per item; all compiled first, then timed round-robin (round r times
+    every item once), so load changes hit every variant alike."""
+    runs = []
+    for name, fn, args in items:
+        compiled, res = compile_one(fn, args, name)
+        need, avail = res["temp_bytes"] + res["output_bytes"], mem_available()
+        if COMPILE_ONLY:
+            res["skipped"] = "--compile-only"
+        elif need > max_mem_frac * avail:
+            res["skipped"] = f"needs {need / MB:.0f} MB temp+output, only {avail / MB:.0f} MB available"
+        print(f"  [{name}] compile {res['compile_s']:.1f}s, temp {res['temp_bytes'] / MB:.0f} MB"
+              + (f" -- NOT RUN: {res['skipped']}" if res["skipped"] else ""), flush=True)
+        runs.append((compiled, args, res))
+    live = [(c, a, r) for c, a, r in runs if not r["skipped"]]
+    for c, a, r in live:
+        for _ in range(warmup):
+            jax.block_until_ready(c(*a))
+        r["load_before"] = os.getloadavg()[0]
+    for i in range(repeats):
+        for c, a, r in live:
+            t, cpu = time.perf_counter(), time.process_time()
+            jax.block_until_ready(c(*a))
+            r["times"].append(time.perf_counter() - t)
+            r["cpu_times"].append(time.process_time() - cpu)
+            print(f"  [{r['name']}] round {i}: {r['times'][-1]:.3f}s (load {os.getloadavg()[0]:.1f})", flush=True)
+    for c, a, r in live:
+        r.update(load_after=os.getloadavg()[0], median_s=statistics.median(r["times"]), min_s=min(r["times"]),
+                 cpu_median_s=statistics.median(r["cpu_times"]))
+    return [r for _, _, r in runs]
+
+
+def layer_case(seq_len: int, variant: str, block_q: int, args):
+    """-> (label, fn, fn args, cfg) of one (S, variant, block_q) whole-layer case."""
     cfg = layer_config(seq_len, args.scale, block_q, args.topk_div)
     x, ct, cos, sin, seg = inputs(cfg, seq_len)
-    if variant == "dense":
+    if variant in ("dense", "dense_mat"):
         graphdef, params, rest = split_layer(cfg, has_indexer=False)
         topk = jnp.zeros((1, seq_len, 0), jnp.int32)  # unused in dense mode
         mode = "dense"
@@ -194,11 +244,37 @@ def bench_layer(seq_len: int, variant: str, block_q: int, args) -> dict:
     else:
         raise ValueError(variant)
     fn = grad_fn(graphdef, rest, mode)
-    label = variant if variant == "dense" or len(args.block_q) == 1 else f"{variant} bq={block_q}"
-    res = measure(fn, (params, x, cos, sin, seg, topk, ct), args.repeats, args.warmup, args.max_mem_frac,
-                  f"S={seq_len} {label}")
-    res.update(seq_len=seq_len, variant=variant, label=label, k=cfg.index_topk, block_q=cfg.block_q)
-    return res
+    if variant == "dense_mat":
+        fn = materialised(fn)
+    label = variant if variant.startswith("dense") or len(args.block_q) == 1 else f"{variant} bq={block_q}"
+    return label, fn, (params, x, cos, sin, seg, topk, ct), cfg
+
+
+def materialised(fn):
+    """fn traced with the materialised dense path forced (`mla.MATERIALISE_MAX_SCORES` = inf)."""
+    def wrapped(*a):
+        saved = mla_module.MATERIALISE_MAX_SCORES
+        mla_module.MATERIALISE_MAX_SCORES = float("inf")
+        try:
+            return fn(*a)
+        finally:
+            mla_module.MATERIALISE_MAX_SCORES = saved
+    return wrapped
+
+
+def bench_seq_len(seq_len: int, args) -> list[dict]:
+    """Every requested variant (and block_q) at one S, timed interleaved."""
+    H = GLM5["num_attention_heads"] // args.scale
+    variants = [v for v in args.variants if v != "dense_mat" or 4 * H * seq_len ** 2 <= mem_available()]
+    if variants != args.variants:
+        print(f"  [S={seq_len} dense_mat] skipped: its f32 [H,S,S] scores alone exceed the available memory")
+    cases = [layer_case(seq_len, v, bq, args) for v in variants
+             for bq in (args.block_q[:1] if v.startswith("dense") else args.block_q)]
+    results = measure_interleaved([(f"S={seq_len} {label}", fn, fargs) for label, fn, fargs, _ in cases],
+                                  args.repeats, args.warmup, args.max_mem_frac)
+    for res, (label, _, _, cfg) in zip(results, cases):
+        res.update(seq_len=seq_len, variant=label.split()[0], label=label, k=cfg.index_topk, block_q=cfg.block_q)
+    return results
 
 
 # ------------------------------------------------------------------------------------------------ breakdown
@@ -362,6 +438,8 @@ def table(results: list[dict], seq_lens) -> str:
     for S in seq_lens:
         dense = by.get((S, "dense"))
         for v in labels:
+            if (S, v) not in by:
+                continue
             r = by[(S, v)]
             med = r["median_s"]
             ratio = "-"
@@ -374,6 +452,8 @@ def table(results: list[dict], seq_lens) -> str:
         lines += ["", "| variant | S | temp-memory growth | median-time growth |", "|---|---|---:|---:|"]
         for v in labels:
             for a, b in zip(seq_lens[:-1], seq_lens[1:]):
+                if (a, v) not in by or (b, v) not in by:
+                    continue
                 ra, rb = by[(a, v)], by[(b, v)]
                 mem = rb["temp_bytes"] / ra["temp_bytes"] if ra["temp_bytes"] else float("nan")
                 tg = (f"{rb['median_s'] / ra['median_s']:.2f}x" if ra["median_s"] and rb["median_s"] else "-")
@@ -392,22 +472,15 @@ def breakdown_table(parts: list[dict]) -> str:
 
 
 def targets(results: list[dict], seq_lens) -> list[str]:
-    """The issue's targets: sparse (full indexer) >= 3x faster than dense at S=8192; sparse temp memory growth
-    4096 -> 8192 <= 2.3x."""
-    by = {(r["seq_len"], r["label"]): r for r in results}
-    labels = [l for l in dict.fromkeys(r["label"] for r in results) if l != "dense"]
+    """Issue #15's targets: blocked dense >= 2x faster than materialised dense at S = 8192; sparse (full indexer)
+    >= 3x faster than blocked dense at S = 32,768 (medians of one interleaved run)."""
+    by = {(r["seq_len"], r["label"]): r["median_s"] for r in results}
     msgs = []
-    dense = by.get((8192, "dense"))
-    for v in labels:
-        s = by.get((8192, v))
-        if dense and s and dense["median_s"] and s["median_s"]:
-            r = dense["median_s"] / s["median_s"]
-            msgs.append(f"target 1 ({v}: >= 3x faster than dense at S=8192): {r:.2f}x -> "
-                        f"{'MET' if r >= 3.0 else 'NOT MET'}" + ("" if v.startswith("sparse") else " (informative)"))
-        if (4096, v) in by and s:
-            g = s["temp_bytes"] / by[(4096, v)]["temp_bytes"]
-            msgs.append(f"target 2 ({v}: temp memory growth 4096->8192 <= 2.3x): {g:.2f}x -> "
-                        f"{'MET' if g <= 2.3 else 'NOT MET'}")
+    for S, fast, slow, goal in ((8192, "dense", "dense_mat", 2.0), (32768, "sparse", "dense", 3.0)):
+        if by.get((S, fast)) and by.get((S, slow)):
+            r = by[(S, slow)] / by[(S, fast)]
+            msgs.append(f"target: {fast} >= {goal:g}x faster than {slow} at S={S}: {r:.2f}x -> "
+                        f"{'MET' if r >= goal else 'NOT MET'}")
     return msgs
 
 
@@ -492,9 +565,7 @@ def main(argv=None) -> int:
     results, parts = [], []
     if not args.no_layer:
         for S in args.seq_lens:
-            for v in args.variants:
-                for bq in args.block_q[:1] if v == "dense" else args.block_q:
-                    results.append(bench_layer(S, v, bq, args))
+            results += bench_seq_len(S, args)
     if args.breakdown:
         for S in args.seq_lens:
             for bq in args.block_q:

@@ -22,7 +22,8 @@ VALUES = dict(
     max_position_embeddings=512, rms_norm_eps=1e-6, latent_norm_eps=1e-6, indexer_norm_eps=1e-5,
     num_nextn_predict_layers=0, mtp_depth=2, mtp_loss_weight=0.2, init_std=0.01, dtype="bfloat16",
     param_dtype="bfloat16", moe_impl="blocked", moe_dispatch="all_to_all", moe_capacity_factor=1.25,
-    attention_impl="pallas", block_q=64, loss_chunk=128, context_layout="contiguous", scan_layers=False, remat="full")
+    attention_impl="pallas", dense_attention_impl="splash", block_q=64, loss_chunk=128, context_layout="contiguous",
+    scan_layers=False, remat="full")
 
 # train.py's own flag parsing, in a subprocess (absl's FLAGS is global): prints the ModelConfig the flags give.
 PARSE = ("import json, sys, train\n"

@@ -2,19 +2,26 @@
 latent; values, max logit and gradients) and the absorbed cached form (MQA over the latent, kv_valid / q_idx
 visibility), with packed documents, a document starting inside the first key block, S not a multiple of the block;
 the block skip itself; and no [S,T]-shaped intermediate in the blocked model's dense_warmup / sparse losses."""
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 from helpers import random_batch, tiny
+from jax.experimental import topologies
 
 import glmjax.model.mla as mla
-from glmjax.model import GLM
-from glmjax.model.flash_attention import block_needed
+from glmjax.config import ModelConfig
+from glmjax.model import GLM, dense_kernels
+from glmjax.model.flash_attention import block_needed, flash_attention
 from glmjax.model.indexer import visible
+from glmjax.model.layers import rope_tables
+from glmjax.model.transformer import unit_index_loss
 
 BLOCK = 8
+FAST = {"xla_backend_optimization_level": 0}
 
 
 def rand(key, shape, scale=1.0):
@@ -34,7 +41,9 @@ def packed_segments():
     return np.array([[1] * 3 + [2] * 20 + [3] * 14, [1] * 5 + [2] * 25 + [0] * 7], np.int32)
 
 
-def test_blocked_mla_equals_the_materialised_reference_with_gradients():
+@pytest.mark.parametrize("impl", ["xla", "splash"])
+def test_blocked_mla_equals_the_materialised_reference_with_gradients(impl):
+    """The XLA flash and JAX's Pallas TPU splash kernel (interpreted on CPU; S padded to its 128 block)."""
     B, S, H, d_n, d_r, r, d_v = 2, 37, 3, 8, 4, 6, 5  # S = 37: not a multiple of the block 8
     args = (rand(0, (B, S, H, d_n)), rand(1, (B, S, H, d_r)), rand(2, (B, S, r)), rand(3, (B, S, d_r)),
             rand(4, (r, H, d_n)), rand(5, (r, H, d_v)))
@@ -46,7 +55,7 @@ def test_blocked_mla_equals_the_materialised_reference_with_gradients():
             return jnp.sum(out * ct), (out, max_logit, extra)
         return jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6)), has_aux=True))(*args)
 
-    (_, (out, max_logit, target)), grads = run(lambda *a: mla.dense_mla_blocked(*a, seg, 0.7, BLOCK))
+    (_, (out, max_logit, target)), grads = run(lambda *a: mla.dense_mla_blocked(*a, seg, 0.7, BLOCK, impl))
     (_, (ref, ref_max, _)), ref_grads = run(lambda *a: mla.dense_mla(*a, seg, 0.7))
     np.testing.assert_allclose(out, ref, atol=1e-5)
     np.testing.assert_allclose(max_logit, ref_max, atol=1e-5)
@@ -138,3 +147,93 @@ def sub_jaxprs(eqn):
                 yield x.jaxpr
             elif hasattr(x, "eqns"):
                 yield x
+
+
+def test_dense_attention_choice_follows_platform_override_and_fit():
+    """"auto" picks the splash kernel only when traced for TPU (the abstract mesh's devices: AOT from this CPU host),
+    "splash" forces it anywhere (interpreted off TPU), and either falls back to the XLA flash where splash cannot
+    honour the visibility: explicit query slots (context-parallel shards, caches) or keys shared by the heads."""
+    q, k_mqa = jnp.zeros((1, 16, 2, 8)), jnp.zeros((1, 16, 8))
+    idx = jnp.zeros((1, 16), jnp.int32)
+    assert dense_kernels.choose("auto", q, q, None) == "xla"  # CPU
+    assert dense_kernels.choose("splash", q, q, None) == "splash"
+    assert dense_kernels.choose("splash", q, q, idx) == "xla"
+    assert dense_kernels.choose("splash", q, k_mqa, None) == "xla"
+    with jax.sharding.use_abstract_mesh(jax.sharding.Mesh(np.array(tpu_devices()[:1]), ("x",)).abstract_mesh):
+        assert dense_kernels.choose("auto", q, q, None) == "splash"
+        assert dense_kernels.choose("auto", q, q, idx) == "xla"
+        assert dense_kernels.choose("xla", q, q, None) == "xla"
+    with pytest.raises(ValueError, match="'cudnn'"):
+        dense_kernels.choose("cudnn", q, q, None)
+    seg = jnp.ones((1, 16), jnp.int32)
+    jaxpr = lambda impl: str(jax.make_jaxpr(  # noqa: E731
+        lambda q: flash_attention(q, q, q, seg, seg, None, 1.0, 8, 8, impl))(q))
+    assert "pallas_call" in jaxpr("splash") and "pallas_call" not in jaxpr("auto")
+
+
+def tpu_devices():
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # other test workers / engineers may hold libtpu
+    return topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x1").devices
+
+
+@pytest.mark.slow  # one TPU compile: ~45 s on 2 shared CPU cores
+def test_glm5_dense_layer_loss_compiles_for_v5p_with_the_splash_kernel():
+    """One MLA layer at GLM-5's head dims (qk 192+64 / v 256, latent 512+64; H 16, D 512), bf16,
+    pretrain loss forward + backward, compiled ahead of time for one v5p chip: the "auto" choice lowers to Mosaic
+    kernels (splash forward, dq, dkv) with no [S,S] buffer."""
+    S = 2048  # B·H·S·T past `mla.materialise`
+    cfg = ModelConfig(hidden_size=512, num_attention_heads=16, q_lora_rank=256, kv_lora_rank=512, qk_nope_head_dim=192,
+                      qk_rope_head_dim=64, v_head_dim=256, index_n_heads=4, index_head_dim=32, index_topk=64,
+                      num_hidden_layers=1, first_k_dense_replace=1, block_q=512, dtype="bfloat16",
+                      param_dtype="bfloat16", max_position_embeddings=S)
+    layer = nnx.eval_shape(lambda: mla.MLA(cfg, False, nnx.Rngs(0)))
+    graphdef, params = nnx.split(layer)
+    mesh = jax.sharding.Mesh(np.array(tpu_devices()[:1]), ("x",))
+    sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def loss(params, x):
+        cos, sin = rope_tables(jnp.arange(S)[None], cfg)
+        ctx = mla.Ctx(cos, sin, jnp.ones((1, S), jnp.int32), "dense")
+        out, _, stats, _ = nnx.merge(graphdef, params)(x, ctx, jnp.zeros((1, S, 0), jnp.int32))
+        return jnp.sum(out.astype(jnp.float32)) + stats.max_logit
+
+    args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                        (params, jax.ShapeDtypeStruct((1, S, cfg.hidden_size), jnp.bfloat16)))
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(*args).compile().as_text()
+    assert hlo.count('custom_call_target="tpu_custom_call"') == 3
+    assert f"{S},{S}]" not in hlo and f"{S}, {S}]" not in hlo
+
+
+def test_head_grouped_layer_equals_the_materialised_layer(monkeypatch):
+    """One MLA layer (H 4 in 2 head groups, each group's keys / values / output projection in a rematerialised
+    step) vs the materialised layer: output, max logit, the streamed indexer KL (it uses the groups' lse) and the
+    gradients of sum(out * ct) + KL w.r.t. every parameter and the input; packed documents, S = 37. The grouping
+    is the same for every dense_attention_impl (the splash kernel itself: the tests above)."""
+    cfg = tiny(num_attention_heads=4, block_q=BLOCK, init_std=0.3)
+    graphdef, params = nnx.split(mla.MLA(cfg, True, nnx.Rngs(0)))
+    seg, S = packed_segments(), 37
+    cos, sin = jax.jit(rope_tables, static_argnums=1)(np.broadcast_to(np.arange(S), (2, S)), cfg)
+    x, ct = rand(50, (2, S, cfg.hidden_size)), rand(51, (2, S, cfg.hidden_size), 0.01)
+
+    def run(params, x):
+        def loss(params, x):
+            ctx = mla.Ctx(cos, sin, seg, "dense", index_loss=True)
+            out, _, stats, _ = nnx.merge(graphdef, params)(x, ctx, jnp.zeros((2, S, 0), jnp.int32))
+            kl, n = unit_index_loss([stats], ctx)
+            return jnp.sum(out * ct) + kl / n, (out, stats.max_logit, kl)
+        return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x)
+
+    monkeypatch.setattr(mla, "MATERIALISE_MAX_SCORES", float("inf"))
+    (_, ref), ref_grads = jax.jit(lambda *a: run(*a), compiler_options=FAST)(params, x)  # new fn: a new trace
+    monkeypatch.setattr(mla, "MATERIALISE_MAX_SCORES", 0)
+    monkeypatch.setattr(mla, "HEAD_GROUP_ROWS", 2 * S)
+    assert mla.head_groups(S, 4) == 2
+    (_, got), grads = jax.jit(lambda *a: run(*a), compiler_options=FAST)(params, x)
+    for name, a, b in zip(("out", "max_logit", "kl"), got, ref):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5, err_msg=name)
+    flat = lambda g: list(nnx.to_flat_state(g[0])) + [(("x",), g[1])]  # noqa: E731
+    for (path, a), (_, b) in zip(flat(grads), flat(ref_grads)):
+        a, b = (v[...] if isinstance(v, nnx.Variable) else v for v in (a, b))
+        assert float(jnp.max(jnp.abs(b))) > 0, path
+        np.testing.assert_allclose(a, b, atol=1e-4, err_msg=str(path))

@@ -2,14 +2,19 @@
 
 Queries run in blocks of `block_q` (a `lax.map`), keys in blocks of `block_k` (a `lax.scan` carrying the running
 row max m, the running sum l and the unnormalised output); only [B, block_q, H, block_k] scores are live at a time.
-A `jax.custom_vjp` backward recomputes the score blocks from q, k and the saved per-row log-sum-exp, so neither
-pass stores [B,H,S,T]. A (query block, key block) pair with no visible key is skipped (`lax.cond`): causally
-(its first key slot is after the block's last query slot) or by segments (their id ranges do not intersect).
+A `jax.custom_vjp` backward (two passes: dq per query block, dk and dv per key block) recomputes the score blocks
+from q, k and the saved per-row log-sum-exp, so neither pass stores [B,H,S,T] nor carries a [B,S,H,d] f32 sum.
+A (query block, key block) pair with no visible key is skipped (`lax.cond`): causally (its first key slot is after
+the block's last query slot) or by segments (their id ranges do not intersect).
 
 Visibility is the one of `glmjax.model.indexer.visible`: key slot t is visible to a query at slot q_idx iff
 t <= q_idx and the query's segment id equals the key's (training: q_idx = arange(S), k_seg = q_seg; against a
 cache: k_seg = kv_valid). Keys may be per head ([B,T,H,d], the MLA training form) or shared by all heads
 ([B,T,d], the absorbed MQA form over the latent).
+
+`flash_attention` is the one entry point: it runs this XLA implementation or, where it applies, a kernel
+(`dense_kernels.choose`: JAX's Pallas TPU splash attention for causal self-attention on TPU); every
+implementation computes the same visibility, and where a kernel cannot (explicit q_idx, MQA keys) this one runs.
 """
 from __future__ import annotations
 
@@ -18,21 +23,32 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from glmjax.model import dense_kernels
 from glmjax.model.blocks import from_blocks, to_blocks
 from glmjax.model.layers import f32
 
 
-def flash_attention(q, k, v, q_seg, k_seg, q_idx, scale: float, block_q: int, block_k: int):
+def flash_attention(q, k, v, q_seg, k_seg, q_idx, scale: float, block_q: int, block_k: int, impl: str = "auto"):
     """q [B,S,H,d], k [B,T,H,d] or [B,T,d], v [B,T,H,e] or [B,T,e] (same form as k), q_seg [B,S], k_seg [B,T],
-    q_idx [B,S] key slot of each query (every q_idx < T) -> (out [B,S,H,e] in v's dtype, lse [B,S,H] f32, row max
-    logit [B,S,H] f32). lse and the row max are -inf for a query with no visible key (its output is 0) and carry
-    no gradient; out is differentiable in q, k, v."""
+    q_idx [B,S] key slot of each query (every q_idx < T), or None: query s at key slot s (self-attention, S == T)
+    -> (out [B,S,H,e] in v's dtype, lse [B,S,H] f32, row max logit [B,S,H] f32). lse and the row max are -inf for a
+    query with no visible key (its output is 0) and carry no gradient; out is differentiable in q, k, v.
+    impl: `dense_kernels.DENSE_IMPLS` ("auto": the splash kernel on TPU where it applies, else this XLA flash)."""
     if k.ndim != v.ndim or k.shape[:2] != v.shape[:2]:
         raise ValueError(f"flash_attention: k {k.shape} and v {v.shape} must both be [B,T,H,.] or [B,T,.]")
     S, T = q.shape[1], k.shape[1]
+    if q_idx is None and S != T:
+        raise ValueError(f"flash_attention: q_idx None means self-attention, but S {S} != T {T}")
     bq, bk = min(block_q, S), min(block_k, T)
-    out, lse, row_max = _flash(q, k, v, q_seg.astype(jnp.int32), k_seg.astype(jnp.int32), q_idx.astype(jnp.int32),
-                               float(scale), bq, bk)
+    q_seg, k_seg = q_seg.astype(jnp.int32), k_seg.astype(jnp.int32)
+    if dense_kernels.choose(impl, q, k, q_idx) == "splash":
+        interpret = dense_kernels.platform() != "tpu"
+        out, lse = dense_kernels.splash_attention(q, k, v, q_seg, k_seg, scale, block_q, interpret)
+        idx = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), q_seg.shape)
+        row_max = _row_max(*map(jax.lax.stop_gradient, (q, k)), q_seg, k_seg, idx, float(scale), bq, bk)
+        return out, jax.lax.stop_gradient(lse), row_max
+    q_idx = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), q_seg.shape) if q_idx is None else q_idx
+    out, lse, row_max = _flash(q, k, v, q_seg, k_seg, q_idx.astype(jnp.int32), float(scale), bq, bk)
     return out, jax.lax.stop_gradient(lse), jax.lax.stop_gradient(row_max)
 
 
@@ -107,53 +123,84 @@ def _forward(q, k, v, q_seg, k_seg, q_idx, scale, bq, bk):
     return tuple(from_blocks(o, S) for o in outs)
 
 
+def _row_max(q, k, q_seg, k_seg, q_idx, scale, bq, bk):
+    """Row max logit [B,S,H] f32 (-inf: no visible key) by a forward-only pass over (query, key) blocks: for a
+    kernel that does not return it. Same blocks and skips as `_forward`."""
+    kb_all, sk_all = to_blocks(k, bk), to_blocks(k_seg, bk)
+    starts = jnp.arange(kb_all.shape[0]) * bk
+
+    def query_block(args):
+        qb, sq, iq = args
+
+        def step(m, xs):
+            kb, sk, t0 = xs
+
+            def update(m):
+                return jnp.maximum(m, jnp.max(_scores(qb, kb, block_visible(sq, iq, sk, t0, bk), scale), axis=-1))
+
+            return jax.lax.cond(block_needed(sq, iq, sk, t0), update, lambda m: m, m), None
+
+        return jax.lax.scan(step, jnp.full(qb.shape[:3], -jnp.inf, f32), (kb_all, sk_all, starts))[0]
+
+    sq_all, iq_all = _pad_queries(q_seg, q_idx, bq)
+    return from_blocks(jax.lax.map(query_block, (to_blocks(q, bq), sq_all, iq_all)), q.shape[1])
+
+
 def _flash_fwd(q, k, v, q_seg, k_seg, q_idx, scale, bq, bk):
     out, lse, m = _forward(q, k, v, q_seg, k_seg, q_idx, scale, bq, bk)
     return (out, lse, m), (q, k, v, q_seg, k_seg, q_idx, out, lse)
 
 
 def _flash_bwd(scale, bq, bk, res, cts):
-    """Outer scan over key blocks (dk, dv of the block accumulated over query blocks), inner scan over query blocks
-    (dq carried whole, updated one block at a time). p = exp(s - lse), ds = p (dp - rowsum(do * out)) * scale."""
+    """Two passes, each carrying one block only: dq by query block (a scan over key blocks), then dk, dv by key
+    block (a scan over query blocks); both recompute p = exp(s - lse) and ds = p (dp - rowsum(do * out)) * scale.
+    No [B,S,H,d] f32 accumulator is carried through the loops (XLA copies a large loop carry at each skipped
+    block's conditional), at the price of recomputing s and dp once more."""
     q, k, v, q_seg, k_seg, q_idx, out, lse = res
     do = cts[0]
     S, T = q.shape[1], k.shape[1]
     spec = _specs(k)
     delta = jnp.sum(do.astype(f32) * out.astype(f32), axis=-1)  # [B,S,H]
     sq_all, iq_all = _pad_queries(q_seg, q_idx, bq)
-    qb_all, dob_all = to_blocks(q, bq), to_blocks(do, bq)
-    lse_all, delta_all = to_blocks(lse, bq), to_blocks(delta, bq)
-    nq = qb_all.shape[0]
-    kb_all, vb_all, sk_all = to_blocks(k, bk), to_blocks(v, bk), to_blocks(k_seg, bk)
+    q_blocks = (to_blocks(q, bq), to_blocks(do, bq), sq_all, iq_all, to_blocks(lse, bq), to_blocks(delta, bq))
+    k_blocks = (to_blocks(k, bk), to_blocks(v, bk), to_blocks(k_seg, bk), jnp.arange(-(-T // bk)) * bk)
 
-    def key_block(dq, xs):
-        kb, vb, sk, t0 = xs
+    def grads_of_scores(qs, ks):
+        """(p [B,bq,H,bk], ds in q's dtype) of one (query block, key block) pair."""
+        (qb, dob, sq, iq, lseb, deltab), (kb, vb, sk, t0) = qs, ks
+        vis = block_visible(sq, iq, sk, t0, bk)
+        p = jnp.where(vis[:, :, None, :], jnp.exp(_scores(qb, kb, vis, scale) - lseb[..., None]), 0.0)
+        dp = jnp.einsum(spec["dp"], dob, vb, preferred_element_type=f32)
+        return p, (p * (dp - deltab[..., None]) * scale).astype(q.dtype)
 
-        def q_step(carry, i):
+    def skip_unless_needed(qs, ks, update, carry):
+        return jax.lax.cond(block_needed(qs[2], qs[3], ks[2], ks[3]), update, lambda c: c, carry)
+
+    def dq_block(qs):
+        def step(dq, ks):
+            update = lambda dq: dq + jnp.einsum(spec["dq"], grads_of_scores(qs, ks)[1], ks[0],  # noqa: E731
+                                                preferred_element_type=f32)
+            return skip_unless_needed(qs, ks, update, dq), None
+
+        return jax.lax.scan(step, jnp.zeros(qs[0].shape, f32), k_blocks)[0].astype(q.dtype)
+
+    def dkv_block(ks):
+        def step(carry, qs):
             def update(carry):
-                dq, dk, dv = carry
-                qb, dob, sq, iq = qb_all[i], dob_all[i], sq_all[i], iq_all[i]
-                vis = block_visible(sq, iq, sk, t0, bk)
-                s = _scores(qb, kb, vis, scale)
-                p = jnp.where(vis[:, :, None, :], jnp.exp(s - lse_all[i][..., None]), 0.0)
-                dv = dv + jnp.einsum(spec["dv"], p.astype(do.dtype), dob, preferred_element_type=f32)
-                dp = jnp.einsum(spec["dp"], dob, vb, preferred_element_type=f32)
-                ds = (p * (dp - delta_all[i][..., None]) * scale).astype(q.dtype)
-                dk = dk + jnp.einsum(spec["dk"], ds, qb, preferred_element_type=f32)
-                dq_i = jnp.einsum(spec["dq"], ds, kb, preferred_element_type=f32)
-                dq = jax.lax.dynamic_update_index_in_dim(dq, dq[i] + dq_i, i, 0)
-                return dq, dk, dv
+                p, ds = grads_of_scores(qs, ks)
+                return (carry[0] + jnp.einsum(spec["dk"], ds, qs[0], preferred_element_type=f32),
+                        carry[1] + jnp.einsum(spec["dv"], p.astype(do.dtype), qs[1], preferred_element_type=f32))
 
-            return jax.lax.cond(block_needed(sq_all[i], iq_all[i], sk, t0), update, lambda c: c, carry), None
+            return skip_unless_needed(qs, ks, update, carry), None
 
-        init = (dq, jnp.zeros(kb.shape, f32), jnp.zeros(vb.shape, f32))
-        (dq, dk, dv), _ = jax.lax.scan(q_step, init, jnp.arange(nq))
-        return dq, (dk, dv)
+        init = (jnp.zeros(ks[0].shape, f32), jnp.zeros(ks[1].shape, f32))
+        dk, dv = jax.lax.scan(step, init, q_blocks)[0]
+        return dk.astype(k.dtype), dv.astype(v.dtype)
 
-    starts = jnp.arange(kb_all.shape[0]) * bk
-    dq, (dk, dv) = jax.lax.scan(key_block, jnp.zeros(qb_all.shape, f32), (kb_all, vb_all, sk_all, starts))
-    return (from_blocks(dq, S).astype(q.dtype), from_blocks(dk, T).astype(k.dtype), from_blocks(dv, T).astype(v.dtype),
-            None, None, None)
+    dq = jax.lax.map(dq_block, q_blocks)
+    dk, dv = jax.lax.map(dkv_block, k_blocks)
+    return from_blocks(dq, S), from_blocks(dk, T), from_blocks(dv, T), None, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
+

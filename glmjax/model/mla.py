@@ -2,7 +2,8 @@
 
 mode "dense":  plain causal MLA with per-head keys/values expanded from the latent (training, dense warm-up);
                against a cache (prefill / decode), absorbed attention over every visible cache row. Key ranges
-               past a size run blocked (flash_attention.py, O(S) memory; the cost rule `materialise`).
+               past a size run blocked (flash_attention.py, O(S) memory; the cost rule `materialise`), in training
+               by JAX's splash kernel on TPU (`model.dense_attention_impl`, dense_kernels.py).
 mode "sparse": the layer's indexer (or, on an IndexShare "shared" layer, the previous full layer's indices)
                selects k keys per query; attention gathers those k rows of the 576-d latent cache in MQA form.
 """
@@ -93,12 +94,17 @@ class MLA(nnx.Module):
             cache = dict(cache, latent=write_rows(cache["latent"], latent, ctx.q_idx[:, 0]))
             latent = cache["latent"]
         if ctx.mode == "dense" and cache is None:
-            o, stats = self.dense_training(x, p, ctx)
-        elif ctx.mode == "dense":
+            out, stats = self.dense_training(x, p, ctx)  # output-projected itself (head groups at long S)
+            return out, topk, stats, cache
+        if ctx.mode == "dense":
             o, stats = self.dense_cached(p, ctx, latent), AttnStats()
         else:
             o, topk, stats, cache = self.sparse(x, p, ctx, latent, topk, cache)
-        return dense(o, self.o_proj[...], "bshv,hvd->bsd", dtype_of(self.cfg.dtype)), topk, stats, cache
+        return self.output(o), topk, stats, cache
+
+    def output(self, o, w_o=None):
+        """o [B,S,H',d_v] -> [B,S,D] by the output projection (or its head slice w_o [H',d_v,D])."""
+        return dense(o, self.o_proj[...] if w_o is None else w_o, "bshv,hvd->bsd", dtype_of(self.cfg.dtype))
 
     def project(self, x, ctx: Ctx) -> Projected:
         cfg, dt = self.cfg, dtype_of(self.cfg.dtype)
@@ -113,19 +119,28 @@ class MLA(nnx.Module):
         return Projected(q_resid, q[..., :d_n], q_pe, c_kv, k_pe, w_kv[..., :d_n], w_kv[..., d_n:])
 
     def dense_training(self, x, p: Projected, ctx: Ctx):
-        """Causal MLA over this sequence with per-head keys/values -> o [B,S,H,d_v], AttnStats (max_logit; with
-        ctx.index_loss attn_p and index_logits, or (blocked) attn_target and index_qkw; attn_topk and
-        index_topk with ctx.topk_stats). Materialised while `materialise`, else blocked (flash)."""
+        """Causal MLA over this sequence with per-head keys/values -> out [B,S,D] (output-projected), AttnStats
+        (max_logit; with ctx.index_loss attn_p and index_logits, or (blocked) attn_target and index_qkw; attn_topk
+        and index_topk with ctx.topk_stats). Materialised while `materialise` (unless model.dense_attention_impl
+        is "splash"), else blocked (flash_attention: the splash kernel or the XLA flash), in head groups past
+        HEAD_GROUP_ROWS (`dense_grouped`)."""
         cfg, seg = self.cfg, ctx.segment_ids
         args = (p.q_nope, p.q_pe, p.c_kv, p.k_pe, p.w_uk, p.w_uv, seg, cfg.softmax_scale)
         B, S, H = p.q_nope.shape[:3]
-        blocked = ctx.layout is not None or not materialise(B, H, S, S)
-        if blocked:
-            o, max_logit, target = dense_mla_blocked(*args, cfg.block_q, ctx.q_idx, ctx.layout)
+        blocked = ctx.layout is not None or cfg.dense_attention_impl == "splash" or not materialise(B, H, S, S)
+        if blocked and head_groups(S, H) > 1:
+            out, max_logit, lse = self.dense_grouped(p, ctx, head_groups(S, H))
+            q, k, _ = expand_kv(*map(jax.lax.stop_gradient, args[:6]))
+            target = dense_target(q, k, lse, cfg.softmax_scale, cfg.block_q)
+        elif blocked:
+            o, max_logit, target = dense_mla_blocked(*args, cfg.block_q, ctx.q_idx, ctx.layout,
+                                                     cfg.dense_attention_impl)
+            out = self.output(o)
         else:
             o, max_logit, attn_p = dense_mla(*args)
+            out = self.output(o)
         if not (ctx.index_loss or ctx.topk_stats):
-            return o, AttnStats(max_logit)
+            return out, AttnStats(max_logit)
         qkw = None if self.indexer is None else self.indexer(x, p.q_resid, ctx.cos, ctx.sin)
         stats = AttnStats(max_logit)
         if ctx.index_loss and blocked:
@@ -144,7 +159,35 @@ class MLA(nnx.Module):
                 attn_topk=attn_topk,
                 index_topk=None if qkw is None else local_queries(ctx.layout, index_topk, *context.INDEX_TOPK)(
                     *qkw, seg, seg, cfg.index_topk, cfg.block_q, ctx.q_idx)[0])
-        return o, stats
+        return out, stats
+
+    def dense_grouped(self, p: Projected, ctx: Ctx, groups: int):
+        """Blocked causal MLA, output-projected, with the heads in `groups` groups: one rematerialised step per
+        group forms the group's queries from q_resid, its keys / values from the latent, attends and adds its
+        output projection, so per-head [B,S,H/groups,.] tensors (and their gradients) exist for one group at a
+        time; the backward redoes each group's step. -> out [B,S,D], max logit (no gradient), lse [B,S,H] f32."""
+        cfg, dt = self.cfg, dtype_of(self.cfg.dtype)
+        d_n, hg = cfg.qk_nope_head_dim, cfg.num_attention_heads // groups
+        w_q, w_o = self.q_b_proj[...], self.o_proj[...]
+        heads = lambda a, i, axis: jax.lax.dynamic_slice_in_dim(a, i * hg, hg, axis=axis)  # noqa: E731
+
+        @jax.checkpoint  # saves only its input i (the rest is loop-invariant)
+        def group(i):
+            q = dense(p.q_resid, heads(w_q, i, 1), "bsr,rhd->bshd", dt)
+            q_pe = apply_rope(q[..., d_n:], ctx.cos, ctx.sin, cfg.rope_interleave)
+            o, max_logit, target = dense_mla_blocked(q[..., :d_n], q_pe, p.c_kv, p.k_pe, heads(p.w_uk, i, 1),
+                                                     heads(p.w_uv, i, 1), ctx.segment_ids, cfg.softmax_scale,
+                                                     cfg.block_q, ctx.q_idx, ctx.layout, cfg.dense_attention_impl)
+            return self.output(o, heads(w_o, i, 0)).astype(jnp.float32), (max_logit, target.lse)
+
+        def step(acc, i):
+            out, stats = group(i)
+            return acc + out, stats
+
+        B, S = p.q_resid.shape[:2]
+        acc, (max_logit, lse) = jax.lax.scan(step, jnp.zeros((B, S, cfg.hidden_size), jnp.float32),
+                                             jnp.arange(groups))
+        return acc.astype(dt), jnp.max(max_logit), jnp.moveaxis(lse, 0, 2).reshape(B, S, -1)
 
     def absorbed_queries(self, p: Projected):
         """[q_nope . W_UK | q_pe] [B,S,H,r_kv+d_r]: queries against the latent rows in MQA form (docs/model.md D.2)."""
@@ -230,16 +273,25 @@ def expand_kv(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv):
     return jnp.concatenate([q_nope, q_pe], axis=-1), jnp.concatenate([k_nope, k_pe], axis=-1), v
 
 
+HEAD_GROUP_ROWS = 2 ** 20  # S·(heads per group) up to which blocked training attention takes all heads at once
+
+
+def head_groups(S: int, H: int) -> int:
+    """Number of head groups of blocked training attention (`MLA.dense_grouped`): the fewest (a divisor of H) with
+    S·H/groups <= HEAD_GROUP_ROWS. GLM-5 (H 64): 1 up to S = 16K, 4 at 64K, 8 at 128K, 16 at 202,752."""
+    return next(g for g in range(1, H + 1) if H % g == 0 and (S * H // g <= HEAD_GROUP_ROWS or g == H))
+
+
 def dense_mla_blocked(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, segment_ids, scale, block: int, q_idx=None,
-                      layout: Layout | None = None):
+                      layout: Layout | None = None, impl: str = "auto"):
     """`dense_mla` by flash attention in query and key blocks of `block`, O(S) memory forward and backward
     -> out [B,S,H,d_v], max logit (scalar, no gradient), DenseTarget (what the streamed indexer loss and top-k
-    recompute the head-mean probabilities from). q_idx [B,S]: the key slot of each query (None: arange(S));
-    layout: context parallelism (local queries, keys and values gathered, `context.local_queries`)."""
+    recompute the head-mean probabilities from). q_idx [B,S]: the key slot of each query (None: self-attention,
+    slot = position in the row); layout: context parallelism (local queries, the latent rows gathered,
+    `context.local_queries`); impl: `dense_kernels.DENSE_IMPLS` (explicit slots run the XLA flash)."""
     q, k, v = expand_kv(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv)
-    q_idx = jnp.broadcast_to(jnp.arange(q.shape[1], dtype=jnp.int32) if q_idx is None else q_idx, segment_ids.shape)
     if layout is None:
-        out, lse, row_max = flash_attention(q, k, v, segment_ids, segment_ids, q_idx, scale, block, block)
+        out, lse, row_max = flash_attention(q, k, v, segment_ids, segment_ids, q_idx, scale, block, block, impl)
     else:  # each context shard gathers the latent rows (576 wide), not H x (d_qk + d_v) keys and values
         out, lse, row_max = local_queries(layout, flash_from_latent, *context.LATENT_FLASH)(
             q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, segment_ids, segment_ids, q_idx, scale, block)

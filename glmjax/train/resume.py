@@ -25,8 +25,8 @@ FREE_PREFIXES = ("parallel.", "stages.")
 FREE = {"train.steps", "train.log_every", "train.eval_every", "train.eval_batches", "train.checkpoint_every",
         "train.keep_checkpoints", "train.async_checkpoints", "train.tensorboard", "train.nan_policy",
         "train.inject_nan_at_step", "train.on_config_change", "data.prefetch", "init_from", "recipe",
-        "model.attention_impl", "model.moe_impl", "model.moe_dispatch", "model.remat", "model.block_q",
-        "model.loss_chunk", "model.context_layout", "optim.total_steps"}
+        "model.attention_impl", "model.dense_attention_impl", "model.moe_impl", "model.moe_dispatch", "model.remat",
+        "model.block_q", "model.loss_chunk", "model.context_layout", "optim.total_steps"}
 RUN_FILES = ("checkpoints", "metrics.jsonl", "summary.json")
 
 
