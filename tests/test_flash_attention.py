@@ -55,7 +55,7 @@ def test_blocked_mla_equals_the_materialised_reference_with_gradients(impl):
             return jnp.sum(out * ct), (out, max_logit, extra)
         return jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6)), has_aux=True))(*args)
 
-    (_, (out, max_logit, target)), grads = run(lambda *a: mla.dense_mla_blocked(*a, seg, 0.7, BLOCK, impl))
+    (_, (out, max_logit, target)), grads = run(lambda *a: mla.dense_mla_blocked(*a, seg, 0.7, BLOCK, impl=impl))
     (_, (ref, ref_max, _)), ref_grads = run(lambda *a: mla.dense_mla(*a, seg, 0.7))
     np.testing.assert_allclose(out, ref, atol=1e-5)
     np.testing.assert_allclose(max_logit, ref_max, atol=1e-5)
