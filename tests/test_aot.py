@@ -71,6 +71,19 @@ def test_dry_run_says_when_a_stage_does_not_fit():
     assert "does NOT fit: RESOURCE_EXHAUSTED" in out.stdout
 
 
+def test_dense_stage_compiles_for_v5p_with_the_splash_kernel_on_a_sharded_mesh(devices):
+    """The pretrain (dense) stage on 8 chips (data, fsdp, tensor): the splash kernel ("auto" on TPU) runs inside a
+    shard_map (Mosaic cannot be partitioned by XLA), heads split over tensor; its kernels are in the program."""
+    c = tiny_config_file.get_config()
+    c.model.update(num_hidden_layers=1, first_k_dense_replace=1, num_nextn_predict_layers=0, indexer_types=("full",),
+                   dense_attention_impl="splash")  # "auto" would keep this small a layer materialised
+    c.train.update(batch_size=4, seq_len=256, mode="dense")
+    c.parallel.update(data=2, fsdp=2, tensor=2)
+    result, compiled = dry_run.compile_stage(c, "pretrain", devices)
+    assert result["mode"] == "dense" and result["mesh"]["tensor"] == 2
+    assert compiled.as_text().count("tpu_custom_call") >= 3  # splash forward, dq, dkv
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--dry-run"], "--dry-run needs --topology"),
     (["--dry-run", "--topology=v9x:2x2"], "unknown chip 'v9x'"),

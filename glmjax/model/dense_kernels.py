@@ -32,6 +32,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash_kernel
+from jax.sharding import AxisType
+
+from glmjax.model import context
 
 DENSE_IMPLS = ("auto", "xla", "splash")
 LANES = 128  # splash blocks are multiples of this
@@ -71,10 +74,24 @@ def splash_block(block: int, S: int) -> int:
     return min(up(block), up(S))
 
 
+# rows over the batch axes, heads over tensor, the sequence whole (splash only serves S == T without q_idx, so a
+# context-split sequence never reaches it)
+_SPLASH_AXES = ((context.QH, context.QH, context.QH, context.Q, context.Q, None, None, None), (context.QH, context.QH))
+
+
 def splash_attention(q, k, v, q_seg, k_seg, scale: float, block: int, interpret: bool):
     """Causal self-attention by the splash kernel: q [B,S,H,d], k [B,S,H,d], v [B,S,H,e], q_seg / k_seg [B,S]
     (visible: t <= s and equal segment ids) -> (out [B,S,H,e] in v's dtype, lse [B,S,H] f32). S is padded to a
-    multiple of the block (padded keys are causally after every real query). Differentiable in q, k, v."""
+    multiple of the block (padded keys are causally after every real query). Differentiable in q, k, v. On a mesh
+    of several devices the kernel runs inside `jax.shard_map` (Mosaic kernels cannot be partitioned by XLA)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1 or all(t == AxisType.Manual for t in mesh.axis_types):
+        return _splash_local(q, k, v, q_seg, k_seg, scale, block, interpret)
+    one = context.Layout("contiguous", 1)  # nothing gathered: each shard holds whole sequences
+    return context.local_queries(one, _splash_local, *_SPLASH_AXES)(q, k, v, q_seg, k_seg, scale, block, interpret)
+
+
+def _splash_local(q, k, v, q_seg, k_seg, scale: float, block: int, interpret: bool):
     B, S, H = q.shape[:3]
     b = splash_block(block, S)
     pad = -S % b
