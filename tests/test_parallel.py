@@ -320,6 +320,35 @@ def test_sharded_moe_pads_a_token_count_the_mesh_does_not_divide():
     np.testing.assert_array_equal(load1, load0)  # the padding rows are not counted
 
 
+def test_moe_tokens_flatten_without_moving_data_when_the_sequence_is_split():
+    """expert=2 x context=4, 4 rows per expert shard: `flatten_tokens` hands the experts' shard_map each device's
+    own tokens as one block of rows with no collective (a plain [B,S,D] -> [B*S,D] reshape needs them: the
+    negative control), its inverse restores [B,S,D] exactly, and the sharded MoE equals one device's."""
+    mesh = par.make_mesh(dict(data=1, expert=2, context=4))
+    y = jax.random.normal(jax.random.key(6), (8, 8, 16))
+    tokens = jax.sharding.NamedSharding(mesh, P(par.token_axes(mesh)))
+
+    def collectives(flatten):
+        lowered = jax.jit(flatten, in_shardings=par.batch_sharding(mesh), out_shardings=tokens).lower(y)
+        text = lowered.compile().as_text()
+        return sum(text.count(op) for op in ("all-gather", "all-to-all", "collective-permute", "all-reduce"))
+
+    assert collectives(lambda a: moe_mod.flatten_tokens(a, mesh.abstract_mesh)[0]) == 0
+    assert collectives(lambda a: a.reshape(-1, a.shape[-1])) > 0
+    x, unflatten = moe_mod.flatten_tokens(y, mesh.abstract_mesh)
+    np.testing.assert_array_equal(unflatten(x), y)
+    assert not np.array_equal(x, y.reshape(-1, 16))  # the rows are reordered (by batch shard, then context shard)
+
+    cfg, state = moe_setup(moe_dispatch="all_to_all")
+    y = jax.random.normal(jax.random.key(7), (8, 8, cfg.hidden_size))
+    (l0, (o0, load0)), g0 = moe_grads(cfg, state, y)
+    (l1, (o1, load1)), g1 = moe_grads(cfg, state, y, mesh)
+    np.testing.assert_allclose(o1, o0, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(load1, load0)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * np.abs(b).max())
+
+
 def capacity_reference(cfg, state, y, n_shards, ep, cap, dispatch):
     """Numpy, float64: the MoE output when each token shard keeps, per destination expert shard, only the first
     `cap` (token, slot) rows in expert-then-token order (all_to_all), or when each destination keeps the first

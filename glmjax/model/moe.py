@@ -34,7 +34,7 @@ from flax import nnx
 
 from glmjax.config import ModelConfig
 from glmjax.model.layers import dense, dtype_of, f32, normal_param
-from glmjax.parallel.rules import logical_spec, token_axes
+from glmjax.parallel.rules import batch_axes, logical_spec, sequence_axes, token_axes
 
 EXPERT_IN_AXES = ("experts", "embed", "expert_mlp")  # experts_gate / experts_up [E, D, I]
 EXPERT_OUT_AXES = ("experts", "expert_mlp", "embed")  # experts_down [E, I, D]
@@ -99,17 +99,17 @@ class MoE(nnx.Module):
         """y [B,S,D] -> (out [B,S,D], expert load [E] = number of (token, slot) assignments per expert)."""
         cfg = self.cfg
         B, S, D = y.shape
-        x = y.reshape(B * S, D)
+        mesh = jax.sharding.get_abstract_mesh()
+        x, unflatten = flatten_tokens(y, mesh)
         logits = jnp.einsum("nd,de->ne", x.astype(f32), self.gate[...].astype(f32))
         weights, ids = route(cfg, logits, self.e_score_correction_bias[...])
-        mesh = jax.sharding.get_abstract_mesh()
         if mesh.empty or mesh.size == 1:
             out, load = self.experts(x, ids, weights)
         else:
             out, load = self.sharded_experts(x, ids, weights, mesh)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x).astype(f32)
-        return out.astype(y.dtype).reshape(B, S, D), load
+        return unflatten(out.astype(y.dtype)), load
 
     def expert_weights(self):
         dt = dtype_of(self.cfg.dtype)
@@ -173,6 +173,24 @@ class MoE(nnx.Module):
         if pad:
             load = load - pad * (jnp.arange(E) < K).astype(load.dtype)
         return out[:N], load
+
+
+def flatten_tokens(y, mesh):
+    """y [B,S,D] -> (x [B*S,D], the inverse) with each device's tokens one contiguous block of rows, in the order
+    of `token_axes` (batch shards major, then sequence shards): the experts' shard_map splits the rows that way.
+    With the sequence split (context) and more than one row per batch shard, a plain reshape would interleave the
+    shards' tokens, and XLA would all-gather the whole sequence of every row to flatten it; here the rows are
+    reordered by (batch shard, sequence shard) first, which moves no data. The MoE is per token, so the order does
+    not change the results."""
+    B, S, D = y.shape
+    nb = 1 if mesh.empty else math.prod(mesh.shape[a] for a in batch_axes(mesh))
+    ns = 1 if mesh.empty else math.prod(mesh.shape[a] for a in sequence_axes(mesh))
+    if ns == 1 or B % nb or S % ns or B == nb:
+        return y.reshape(B * S, D), lambda out: out.reshape(B, S, D)
+    def unflatten(out):  # [nb*ns*(B/nb)*(S/ns), D] -> [B,S,D]
+        return out.reshape(nb, ns, B // nb, S // ns, D).transpose(0, 2, 1, 3, 4).reshape(B, S, D)
+
+    return y.reshape(nb, B // nb, ns, S // ns, D).transpose(0, 2, 1, 3, 4).reshape(B * S, D), unflatten
 
 
 def _axes(spec, i) -> tuple[str, ...]:

@@ -23,6 +23,7 @@ from glmjax.model.indexer import index_kl
 from glmjax.model.layers import RMSNorm, dense, dtype_of, f32, normal_param, rope_tables
 from glmjax.model.mla import MLA, AttnStats, Ctx
 from glmjax.model.moe import MLP, MoE
+from glmjax.parallel.rules import batch_spec
 
 
 class Aux(NamedTuple):
@@ -318,7 +319,7 @@ class GLM(nnx.Module):
 
         def depth(h_prev, xs):
             tok, tgt, ok = xs
-            emb = self.embed_tokens[...][tok].astype(dt)
+            emb = on_batch_layout(self.embed_tokens[...][on_batch_layout(tok)].astype(dt))
             hk, aux = self.mtp(emb, h_prev, ctx, dt)
             nll = token_nll(hk, self.lm_head[...], tgt, cfg.loss_chunk)
             return hk, (jnp.sum(nll * ok) / jnp.maximum(jnp.sum(ok), 1.0), aux)
@@ -327,6 +328,16 @@ class GLM(nnx.Module):
             depth = jax.checkpoint(depth, policy=REMAT[cfg.remat], prevent_cse=False)
         _, (losses, aux) = jax.lax.scan(depth, h, (emb_tokens, jnp.stack(targets), jnp.stack(valid)))
         return losses, aux
+
+
+def on_batch_layout(x):
+    """x [B,S,...] held in the batch layout of the mesh in context (rows over the batch axes, S over context; a no-op
+    without a mesh). Inside the MTP depth loop XLA loses the tokens' layout and would look up the embeddings of the
+    whole [B,S] on every device (GLM-5 at 14 x 202,752: 35 GB per chip)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return x
+    return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, batch_spec(mesh)))
 
 
 def to_layout(x, layout: Layout | None):
