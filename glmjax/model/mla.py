@@ -5,7 +5,8 @@ mode "dense":  plain causal MLA with per-head keys/values expanded from the late
                past a size run blocked (flash_attention.py, O(S) memory; the cost rule `materialise`), in training
                by JAX's splash kernel on TPU (`model.dense_attention_impl`, dense_kernels.py).
 mode "sparse": the layer's indexer (or, on an IndexShare "shared" layer, the previous full layer's indices)
-               selects k keys per query; attention gathers those k rows of the 576-d latent cache in MQA form.
+               selects k keys per query; attention gathers those k rows of the 576-d latent cache in MQA form;
+               in training past SPARSE_CHUNK_ROWS in rematerialised sequence chunks (`MLA.sparse_chunked`).
 """
 from __future__ import annotations
 
