@@ -11,9 +11,11 @@ trains, glmjax/train/stages.py):
   indexshare    a full layer and the shared layer after it (it reuses the full layer's top-k): sum(shared(full(x))
                 * ct) + the full layer's indexer KL toward the mean attention of both (E.4), w.r.t. everything;
                 two layers, so per layer is half of it
-"before" forces the materialised path (`mla.MATERIALISE_MAX_SCORES` = inf), "after" is the default cost rule
-(blocks of `model.block_q`; on TPU the dense stages' attention is JAX's splash kernel, `model.dense_attention_impl`
-"auto"); the sparse stages have no dense path. Temp memory is XLA's
+"before" forces the materialised dense path (`mla.MATERIALISE_MAX_SCORES` = inf) and the sparse attention over the
+whole sequence at once (`mla.SPARSE_CHUNK_ROWS` = inf), "after" is the default cost rules (dense: blocks of
+`model.block_q`, on TPU JAX's splash kernel, `model.dense_attention_impl` "auto", head groups past
+`mla.HEAD_GROUP_ROWS`; sparse: rematerialised sequence chunks past `mla.SPARSE_CHUNK_ROWS`, `--sparse-chunk-rows`
+to try another size). Temp memory is XLA's
 `jax.jit(f).lower(...).compile().memory_analysis().temp_size_in_bytes`, for the default backend (CPU here) or,
 with --topology, one chip of a TPU topology (compiled ahead of time on this host with that chip as the abstract
 mesh, so the TPU choices are made; needs jax[tpu]).
@@ -78,10 +80,12 @@ def layer_loss(stage: str, seq_len: int, block: int):
     return jax.grad(loss, argnums=argnums), (params, rest, x, x)
 
 
-def temp_gib(stage: str, seq_len: int, block: int, before: bool, device=None) -> tuple[float, float]:
-    """-> (temp GiB, compile seconds); device: compile for it (e.g. a TPU topology's chip) instead of the default."""
-    saved = mla.MATERIALISE_MAX_SCORES
-    mla.MATERIALISE_MAX_SCORES = float("inf") if before else saved
+def temp_gib(stage: str, seq_len: int, block: int, before: bool, device=None, chunk_rows=None):
+    """-> (temp GiB, compile seconds); device: compile for it (e.g. a TPU topology's chip) instead of the default;
+    chunk_rows: mla.SPARSE_CHUNK_ROWS for the "after" programs (None: the default)."""
+    saved = mla.MATERIALISE_MAX_SCORES, mla.SPARSE_CHUNK_ROWS
+    mla.MATERIALISE_MAX_SCORES = float("inf") if before else saved[0]
+    mla.SPARSE_CHUNK_ROWS = float("inf") if before else chunk_rows or saved[1]
     try:
         t = time.perf_counter()
         f, args = layer_loss(stage, seq_len, block)
@@ -95,7 +99,7 @@ def temp_gib(stage: str, seq_len: int, block: int, before: bool, device=None) ->
                 compiled = jax.jit(f).lower(*args).compile()
         return compiled.memory_analysis().temp_size_in_bytes / GIB, time.perf_counter() - t
     finally:
-        mla.MATERIALISE_MAX_SCORES = saved
+        mla.MATERIALISE_MAX_SCORES, mla.SPARSE_CHUNK_ROWS = saved
 
 
 def main():
@@ -104,7 +108,8 @@ def main():
     p.add_argument("--stages", nargs="+", default=list(STAGES), choices=list(STAGES))
     p.add_argument("--block", type=int, default=512, help="model.block_q (query and key block)")
     p.add_argument("--topology", help="compile for the first chip of this TPU topology, e.g. v5p:2x2x1 (jax[tpu])")
-    p.add_argument("--after-only", action="store_true", help="skip the materialised (before) programs")
+    p.add_argument("--after-only", action="store_true", help="skip the materialised / unchunked (before) programs")
+    p.add_argument("--sparse-chunk-rows", type=int, help="mla.SPARSE_CHUNK_ROWS (S·H) for the after programs")
     p.add_argument("--json")
     a = p.parse_args()
     device = None
@@ -116,10 +121,10 @@ def main():
     rows = []
     for stage in a.stages:
         dense = STAGES[stage][0] == "dense"
-        for before in ((True, False) if dense and not a.after_only else (False,)):
+        for before in ((True, False) if not a.after_only else (False,)):
             for S in a.seq_lens:
-                gib, secs = temp_gib(stage, S, a.block, before, device)
-                path = "materialised" if before else ("blocked" if dense else "sparse (XLA)")
+                gib, secs = temp_gib(stage, S, a.block, before, device, a.sparse_chunk_rows)
+                path = ("materialised" if dense else "whole seq") if before else ("blocked" if dense else "chunked")
                 rows.append(dict(stage=stage, path=path, seq_len=S, temp_gib=gib, kib_per_token=gib * GIB / 1024 / S))
                 print(f"{stage:13s} {path:12s} S={S:7d} temp {gib:10.2f} GiB "
                       f"{rows[-1]['kib_per_token']:7.1f} KiB/token  (compile {secs:.0f}s)", flush=True)

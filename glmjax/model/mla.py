@@ -5,7 +5,8 @@ mode "dense":  plain causal MLA with per-head keys/values expanded from the late
                past a size run blocked (flash_attention.py, O(S) memory; the cost rule `materialise`), in training
                by JAX's splash kernel on TPU (`model.dense_attention_impl`, dense_kernels.py).
 mode "sparse": the layer's indexer (or, on an IndexShare "shared" layer, the previous full layer's indices)
-               selects k keys per query; attention gathers those k rows of the 576-d latent cache in MQA form.
+               selects k keys per query; attention gathers those k rows of the 576-d latent cache in MQA form;
+               in training past SPARSE_CHUNK_ROWS in rematerialised sequence chunks (`MLA.sparse_chunked`).
 """
 from __future__ import annotations
 
@@ -96,11 +97,10 @@ class MLA(nnx.Module):
         if ctx.mode == "dense" and cache is None:
             out, stats = self.dense_training(x, p, ctx)  # output-projected itself (head groups at long S)
             return out, topk, stats, cache
-        if ctx.mode == "dense":
-            o, stats = self.dense_cached(p, ctx, latent), AttnStats()
-        else:
-            o, topk, stats, cache = self.sparse(x, p, ctx, latent, topk, cache)
-        return self.output(o), topk, stats, cache
+        if ctx.mode == "sparse":
+            out, topk, stats, cache = self.sparse(x, p, ctx, latent, topk, cache)  # output-projected itself
+            return out, topk, stats, cache
+        return self.output(self.dense_cached(p, ctx, latent)), topk, AttnStats(), cache
 
     def output(self, o, w_o=None):
         """o [B,S,H',d_v] -> [B,S,D] by the output projection (or its head slice w_o [H',d_v,D])."""
@@ -207,13 +207,13 @@ class MLA(nnx.Module):
 
     def sparse(self, x, p: Projected, ctx: Ctx, latent, topk, cache):
         """Sparse attention over the latent rows [B,T,576] (this sequence, or the cache) that the layer's indexer
-        selects (or, on a shared layer, topk) -> o [B,S,H,d_v], topk used, AttnStats (attn_p and index_logits with
-        ctx.index_loss, without a cache), cache (index keys written on full layers)."""
+        selects (or, on a shared layer, topk) -> out [B,S,D] (output-projected), topk used, AttnStats (attn_p and
+        index_logits with ctx.index_loss, without a cache), cache (index keys written on full layers). In training
+        past SPARSE_CHUNK_ROWS the attention runs in rematerialised sequence chunks (`sparse_chunked`)."""
         cfg, q_seg = self.cfg, ctx.segment_ids
         k_seg, q_idx = (q_seg, ctx.q_idx) if cache is None else (ctx.kv_valid, ctx.q_idx)
         on_context = functools.partial(local_queries, ctx.layout)  # local queries, gathered keys (no cache)
         fns = BACKENDS[cfg.attention_impl] if ctx.backend is None else ctx.backend
-        q_abs = self.absorbed_queries(p)
         if self.indexer is not None:
             qi, ki, wi = self.indexer(x, p.q_resid, ctx.cos, ctx.sin)
             if cache is not None:
@@ -221,16 +221,52 @@ class MLA(nnx.Module):
                 ki = cache["index_k"]
             topk, _ = on_context(fns.index_topk, *context.INDEX_TOPK)(qi, ki, wi, q_seg, k_seg, cfg.index_topk,
                                                                       cfg.block_q, q_idx)
-        o_lat, lse = on_context(fns.sparse_mla, *context.SPARSE_MLA)(
-            q_abs, latent, topk, scale=cfg.softmax_scale, kv_lora_rank=cfg.kv_lora_rank, block_q=cfg.block_q)
-        o = jnp.einsum("bshc,chv->bshv", o_lat, p.w_uv)
-        if not ctx.index_loss or cache is not None:
-            return o, topk, AttnStats(), cache
-        attn_p = on_context(sparse_attention_probs, *context.SPARSE_PROBS)(q_abs, latent, topk, lse,
-                                                                           scale=cfg.softmax_scale, block_q=cfg.block_q)
+        with_p = ctx.index_loss and cache is None
+        chunk = sparse_chunk(*p.q_nope.shape[1:3]) if cache is None else None
+        if chunk is not None:
+            out, attn_p = self.sparse_chunked(p, ctx, latent, topk, fns.sparse_mla, chunk, with_p)
+        else:
+            q_abs = self.absorbed_queries(p)
+            o_lat, lse = on_context(fns.sparse_mla, *context.SPARSE_MLA)(
+                q_abs, latent, topk, scale=cfg.softmax_scale, kv_lora_rank=cfg.kv_lora_rank, block_q=cfg.block_q)
+            out = self.output(jnp.einsum("bshc,chv->bshv", o_lat, p.w_uv))
+            attn_p = None if not with_p else on_context(sparse_attention_probs, *context.SPARSE_PROBS)(
+                q_abs, latent, topk, lse, scale=cfg.softmax_scale, block_q=cfg.block_q)
+        if not with_p:
+            return out, topk, AttnStats(), cache
         index_logits = None if self.indexer is None else on_context(
             fns.gathered_index_logits, *context.GATHERED_INDEX_LOGITS)(qi, ki, wi, topk, cfg.block_q)
-        return o, topk, AttnStats(attn_p=attn_p, index_logits=index_logits), cache
+        return out, topk, AttnStats(attn_p=attn_p, index_logits=index_logits), cache
+
+    def sparse_chunked(self, p: Projected, ctx: Ctx, latent, topk, sparse_mla, chunk: int, with_p: bool):
+        """Sparse attention of this sequence's queries over its latent rows [B,S,576] in rematerialised chunks of
+        `chunk` queries (`map_chunks`): each chunk forms its queries from q_resid, their absorbed form, attends
+        with its rows of topk [B,S,k] over the whole latent and projects its output (W_UV, o_proj), so per-head
+        [B,chunk,H,.] tensors (and their gradients) exist for one chunk at a time and each query's k rows are
+        gathered once per pass; the backward redoes each chunk's forward. Under context parallelism each shard
+        loops over its own queries (`local_queries`; the queries split like the indexer's, over context x tensor,
+        every head on each rank). -> out [B,S,D], attn_p [B,S,k] f32 (head mean, no gradient; None unless with_p)."""
+        cfg, dt = self.cfg, dtype_of(self.cfg.dtype)
+        d_n = cfg.qk_nope_head_dim
+
+        def attend(q_resid, cos, sin, idx, latent, w_q, w_uk, w_uv, w_o):  # one chunk: [B,c,...] -> [B,c,D], [B,c,k]
+            q = dense(q_resid, w_q, "bsr,rhd->bshd", dt)
+            q_pe = apply_rope(q[..., d_n:], cos, sin, cfg.rope_interleave)
+            q_abs = jnp.concatenate([jnp.einsum("bshd,chd->bshc", q[..., :d_n], w_uk), q_pe], axis=-1)
+            o_lat, lse = sparse_mla(q_abs, latent, idx, scale=cfg.softmax_scale, kv_lora_rank=cfg.kv_lora_rank,
+                                    block_q=cfg.block_q)
+            out = self.output(jnp.einsum("bshc,chv->bshv", o_lat, w_uv), w_o)
+            if not with_p:
+                return (out,)
+            return out, sparse_attention_probs(q_abs, latent, idx, lse, scale=cfg.softmax_scale, block_q=cfg.block_q)
+
+        def chunks(q_resid, cos, sin, idx, latent, *weights):
+            return map_chunks(attend, (q_resid, cos, sin, idx), (latent,) + weights, chunk)
+
+        in_axes = (context.IQ,) * 4 + (context.K,) + ((),) * 4
+        outs = local_queries(ctx.layout, chunks, in_axes, (context.IQ,) * (2 if with_p else 1))(
+            p.q_resid, ctx.cos, ctx.sin, topk, latent, self.q_b_proj[...], p.w_uk, p.w_uv, self.o_proj[...])
+        return outs[0], outs[1] if with_p else None
 
 
 def write_rows(cache, rows, start):
@@ -247,6 +283,35 @@ def materialise(B: int, H: int, S: int, T: int) -> bool:
     recipe), beyond it the blocked (flash) path in blocks of `model.block_q`, O(S) memory. GLM-5 (H 64, batch 1):
     materialised up to S = T = 512 in training, decode (S = 1) up to T = 262,144."""
     return B * H * S * T <= MATERIALISE_MAX_SCORES
+
+
+SPARSE_CHUNK_ROWS = 2 ** 18  # S·H up to which sparse training attention takes the whole sequence at once
+
+
+def sparse_chunk(S: int, H: int) -> int | None:
+    """Queries per rematerialised chunk of sparse training attention (`MLA.sparse_chunked`): None (the whole
+    sequence at once) while S·H <= SPARSE_CHUNK_ROWS, else SPARSE_CHUNK_ROWS // H. GLM-5 (H 64): chunks of 4096
+    queries past S = 4096; the tiny recipe (H 4) is never chunked up to S = 65,536."""
+    return None if S * H <= SPARSE_CHUNK_ROWS else max(1, SPARSE_CHUNK_ROWS // H)
+
+
+def map_chunks(fn, per_query, shared, chunk: int):
+    """fn(*per_query chunk [B,c,...], *shared) -> tuple of [B,c,...], applied to `chunk` positions at a time, each
+    application rematerialised (it saves only its start; the backward redoes it): a lax.scan over the whole chunks,
+    one more call for the remainder (S not a multiple of chunk). per_query [B,S,...] -> tuple of [B,S,...]."""
+    S = per_query[0].shape[1]
+    n, r = divmod(S, chunk)
+    outs = []
+    if n:
+        @jax.checkpoint
+        def step(start):
+            return fn(*(jax.lax.dynamic_slice_in_dim(a, start, chunk, axis=1) for a in per_query), *shared)
+
+        ys = jax.lax.scan(lambda _, start: (None, step(start)), None, jnp.arange(n) * chunk)[1]  # [n,B,c,...]
+        outs.append([jnp.moveaxis(y, 0, 1).reshape((y.shape[1], n * chunk) + y.shape[3:]) for y in ys])
+    if r:
+        outs.append(jax.checkpoint(fn)(*(a[:, n * chunk:] for a in per_query), *shared))
+    return tuple(parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1) for parts in zip(*outs))
 
 
 def dense_mla_absorbed(q_abs, latent, vis, scale, r_kv):

@@ -1,0 +1,61 @@
+"""Sparse training attention in rematerialised sequence chunks (`MLA.sparse_chunked`) == the whole sequence at once."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from helpers import tiny
+
+import glmjax.model.mla as mla
+from glmjax.model.layers import rope_tables
+from glmjax.model.transformer import unit_index_loss
+
+FAST = {"xla_backend_optimization_level": 0}
+S, CHUNK = 37, 8  # 4 whole chunks and a remainder of 5
+
+
+def rand(key, shape, scale=1.0):
+    return jnp.asarray(np.random.default_rng(key).normal(0.0, scale, shape), jnp.float32)
+
+
+def test_chunked_sparse_layers_equal_the_unchunked_layers(monkeypatch):
+    """A full layer (own indexer) and the shared layer after it (IndexShare: the full layer's top-k): outputs, the
+    indexer KL toward both layers' mean attention (docs/model.md E.4) and the gradients of sum(out * ct) + KL
+    w.r.t. every parameter and the input (both layers read x), in chunks of 8 queries (S = 37) vs the whole
+    sequence; packed documents and padding (queries with fewer than k visible keys: -1 slots), f32."""
+    cfg = tiny(num_attention_heads=4, index_topk=8, block_q=16, init_std=0.3)
+    graphdef, params = nnx.split(nnx.List([mla.MLA(cfg, i == 0, nnx.Rngs(i)) for i in range(2)]))
+    seg = np.array([[1] * 3 + [2] * 20 + [3] * 14, [1] * 5 + [2] * 25 + [0] * 7], np.int32)
+    pos = np.concatenate([np.arange(n) for n in (3, 20, 14, 5, 25, 7)]).reshape(2, S)
+    cos, sin = jax.jit(rope_tables, static_argnums=1)(pos, cfg)
+    x, ct = rand(0, (2, S, cfg.hidden_size)), rand(1, (2, S, cfg.hidden_size), 0.01)
+
+    def run(params, x):
+        def loss(params, x):
+            ctx = mla.Ctx(cos, sin, jnp.asarray(seg), "sparse", index_loss=True)
+            h, topk, stats = 0.0, jnp.zeros((2, S, 0), jnp.int32), []
+            for layer in nnx.merge(graphdef, params):  # both on x (an unnormed output would inflate the logits)
+                out, topk, st, _ = layer(x, ctx, topk)
+                h, stats = h + out, stats + [st]
+            kl, n = unit_index_loss(stats, ctx)
+            return jnp.sum(h * ct) + kl / n, (h, kl, topk)
+        return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x)
+
+    assert mla.sparse_chunk(S, 4) is None
+    (_, ref), ref_grads = jax.jit(lambda *a: run(*a), compiler_options=FAST)(params, x)  # new fn: a new trace
+    monkeypatch.setattr(mla, "SPARSE_CHUNK_ROWS", 4 * CHUNK)
+    assert mla.sparse_chunk(S, 4) == CHUNK
+    (_, got), grads = jax.jit(lambda *a: run(*a), compiler_options=FAST)(params, x)
+    topk = np.asarray(ref[2])
+    assert (topk == -1).any() and (topk[1, 12:30] >= 0).all()  # -1 slots and full rows (row 1, document 2)
+    np.testing.assert_array_equal(got[2], topk)
+    for name, a, b in zip(("out", "kl"), got[:2], ref[:2]):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5, err_msg=name)
+    assert float(ref[1]) > 1e-2  # a KL far from 0
+    flat = lambda g: list(nnx.to_flat_state(g[0])) + [(("x",), g[1])]  # noqa: E731
+    paths = 0
+    for (path, a), (_, b) in zip(flat(grads), flat(ref_grads)):
+        a, b = (v[...] if isinstance(v, nnx.Variable) else v for v in (a, b))
+        assert float(jnp.max(jnp.abs(b))) > 0, path
+        np.testing.assert_allclose(a, b, atol=1e-4, err_msg=str(path))
+        paths += 1
+    assert paths == len(jax.tree.leaves(params)) + 1
