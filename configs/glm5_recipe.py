@@ -9,8 +9,17 @@
                 length of this stage is not published: 1000 steps is a placeholder
 
 Needs a TPU pod; the numbers are docs/model.md E's, the placeholders are marked.
+
+Mesh: check it ahead of time on any host (docs/benchmarks.md "Whole training step on TPU pods"):
+  python train.py --config=configs/glm5_recipe.py --dry-run --topology=v5p:8x8x8
+The batch of 14 sequences splits over the batch axes (data x fsdp x expert) only 1, 2, 7 or 14 ways, and fsdp cannot
+shard the model width (6144 = 2^11 x 3) 7 ways, so: expert=2 (7 sequences per expert shard) and the sequence over
+`context` (parameters FSDP-sharded over it too, glmjax/parallel/rules.py); tensor=1 (the residual stream is not
+split over tensor, so every tensor rank would hold all its tokens' activations). NOT yet a fit: sparse_adapt needs
+100.4 GiB per chip of v5p's 95 on 512 chips (130.6 on 768, where the LoRA-rank weights stop splitting over context).
 """
 from configs import glm5
+from glmjax.parallel import default_parallel_config
 from glmjax.train.config import experiment_fields
 
 SEQ, BATCH = 202752, 14
@@ -20,6 +29,8 @@ def get_config():
     c = glm5.get_config()
     c.train.update(seq_len=SEQ, batch_size=BATCH, steps=1000, checkpoint_every=100, eval_every=250,
                    index_loss_weight=1.0)
+    c.model.update(attention_impl="pallas", remat="full")
+    c.parallel = default_parallel_config(data=1, expert=2, context=256)  # v5p:8x8x8, 512 chips (docstring)
     return experiment_fields(
         c, stage="recipe", recipe=("dense_warmup", "sparse_adapt", "indexshare"),
         stages={
