@@ -69,7 +69,8 @@ class ModelConfig:
     moe_capacity_factor: float = 0.0  # expert parallelism: 0 = dropless; f > 0 = f x the mean rows per expert shard
     attention_impl: str = "xla"  # "xla": top-k + gathered attention in XLA; "pallas": pallas_kernels/ (interpret off TPU)
     dense_attention_impl: str = "auto"  # dense causal training attention: "auto" (splash kernel on TPU, XLA flash
-    # elsewhere) | "xla" | "splash" (also off TPU, interpreted; always blocked); see glmjax/model/dense_kernels.py
+    # elsewhere) | "xla" | "splash" (also off TPU, interpreted; always blocked); context shards (explicit key slots)
+    # always run the XLA flash; see glmjax/model/dense_kernels.py
     block_q: int = 256  # query block of the indexer top-k and the sparse attention (bounds [bq, T] / [bq, k] temps)
     loss_chunk: int = 512  # sequence chunk of the LM-head loss (never [B, S, V] at once)
     # context parallelism (a mesh `context` axis > 1): "zigzag" (shard i holds chunks i and 2N-1-i of 2N: equal causal

@@ -36,7 +36,7 @@ Backward (`jax.custom_vjp`). Per query the rows are gathered again, p = exp(s - 
 lse, ds = p·(dp - delta + dlse) with delta = Σ do·out. dq = scale·ds @ rows goes straight to the output. The
 row gradients drows = scale·dsᵀ @ q (+ pᵀ @ do on the first R columns) [kc, C] f32 are added into dkv rows:
 
-  * VMEM accumulator (T·C·4 <= 40 MiB, i.e. T <= 16,384 at C = 576): a float32 [T,C] accumulator lives in VMEM
+  * VMEM accumulator (T·C'·4 <= 40 MiB with C' = C padded to 128 lanes, i.e. T <= 16,384 at C = 576): a float32 [T,C] accumulator lives in VMEM
     for the whole batch row, one read-modify-write per selected row, in program order, copied out at the end.
   * HBM accumulator (longer caches): dkv rows are read-modify-written in HBM. Per query, the k reads of its rows
     (one DMA each, into a [k, C] f32 VMEM buffer) start when the query starts, overlapping its matmuls; chunk c

@@ -33,7 +33,8 @@ FLAGS = flags.FLAGS
 def parse_flags(argv):
     """absl's parsing, with a config override of an unknown field reported in one line, not a traceback; --help
     prints this module's docstring and flags and exits 0."""
-    argv = [a.replace("--dry-run", "--dry_run", 1).replace("--num-slices", "--num_slices", 1) for a in argv]
+    spelled = {"--dry-run": "--dry_run", "--num-slices": "--num_slices"}  # the dashed spellings of two flags
+    argv = [spelled.get(name, name) + eq + value for name, eq, value in (a.partition("=") for a in argv)]
     if any(a in ("-h", "--help", "-help", "--helpshort", "-?") for a in argv[1:]):
         print(__doc__)
         print(FLAGS.module_help(__name__))

@@ -40,11 +40,11 @@ def _on_mesh(kernel, axes, *args, **static):
     """kernel(*args, **static) on the mesh in context: in shard_map (`local_queries`, keys whole), or directly without
     a mesh, on one device, or inside a region where every mesh axis is already manual."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or mesh.size == 1:
+    if mesh.empty:
         return kernel(*args, **static)
     interpret = mesh.abstract_device is None or mesh.abstract_device.platform != "tpu"  # Mosaic for a TPU mesh
     kernel = functools.partial(kernel, interpret=interpret)
-    if all(t == AxisType.Manual for t in mesh.axis_types):
+    if mesh.size == 1 or all(t == AxisType.Manual for t in mesh.axis_types):
         return kernel(*args, **static)
     return context.local_queries(context.Layout("contiguous", 1), kernel, *axes)(*args, **static)
 

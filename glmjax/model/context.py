@@ -21,7 +21,7 @@ device; per-token outputs a caller reads (hidden states, top-k diagnostics) are 
 
     layout = context.layout("zigzag", S)        # None unless the mesh in context splits the sequence
     ids, _ = local_queries(layout, index_topk, *INDEX_TOPK)(q, k, w, q_seg, k_seg, topk, block_q,
-                                                            layout.slots(q_seg.shape))
+                                                            None if layout is None else layout.slots(q_seg.shape))
 
 Axes: each argument of the wrapped function gets logical axis names for its leading dimensions (resolved by the
 logical-axis rules, `glmjax.parallel.rules.logical_spec`), "keys" marks the key dimension (split over context

@@ -18,8 +18,9 @@ GPU: `jax.nn.dot_product_attention(implementation="cudnn")` takes a causal flag 
 segment ids (its mask argument would be a [B,H,S,T] array), and training batches are packed; the XLA flash runs
 there.
 
-Splash has no softmax scale (queries are scaled before the kernel) and returns no row max (the caller computes it
-in a forward-only XLA pass when it is used). Its backward is called through `splash_attention_kernel`'s own
+Splash has no softmax scale (queries are scaled before the kernel) and returns no row max: `flash_attention`
+computes it (the max_attn_logit metric of every dense training step) in a forward-only blocked XLA pass of QK^T, an
+extra score computation per step on top of the kernel's. Its backward is called through `splash_attention_kernel`'s own
 backward function so the forward can return the log-sum-exp the streamed indexer losses need (the public kernel
 with `save_residuals=True` is not differentiable). Its mask preprocessing runs on the host at trace time,
 O((S / block)^2): ~1 s at S = 16K, ~13 s at 64K, ~150 s at 202,752 on a CPU host core (cached per shape).
@@ -74,9 +75,11 @@ def splash_block(block: int, S: int) -> int:
     return min(up(block), up(S))
 
 
-# rows over the batch axes, heads over tensor, the sequence whole (splash only serves S == T without q_idx, so a
-# context-split sequence never reaches it)
-_SPLASH_AXES = ((context.QH, context.QH, context.QH, context.Q, context.Q, None, None, None), (context.QH, context.QH))
+# rows over the batch axes, heads over tensor, each shard's sequences whole (the causal mask is over the positions
+# the kernel sees; a sequence split over context is gathered -- the model itself never sends one here: its context
+# shards pass explicit key slots, which run the XLA flash)
+_BSH, _BS = ("batch", None, "heads"), ("batch", None)
+_SPLASH_AXES = ((_BSH, _BSH, _BSH, _BS, _BS, None, None, None), (_BSH, _BSH))
 
 
 def splash_attention(q, k, v, q_seg, k_seg, scale: float, block: int, interpret: bool):
@@ -101,7 +104,8 @@ def _splash_local(q, k, v, q_seg, k_seg, scale: float, block: int, interpret: bo
         a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2), constant_values=fill)
         return jnp.swapaxes(a, 1, 2) if a.ndim == 4 else a
 
-    out, lse = jax.vmap(fn)(heads_first(q * jnp.asarray(scale, q.dtype)), heads_first(k), heads_first(v),
+    q = (q.astype(jnp.float32) * scale).astype(q.dtype)  # the exact scale, one rounding (the XLA flash's scores)
+    out, lse = jax.vmap(fn)(heads_first(q), heads_first(k), heads_first(v),
                             heads_first(q_seg.astype(jnp.int32)), heads_first(k_seg.astype(jnp.int32)))
     return jnp.swapaxes(out, 1, 2)[:, :S].astype(v.dtype), jnp.swapaxes(lse, 1, 2)[:, :S].astype(jnp.float32)
 

@@ -211,7 +211,7 @@ class MLA(nnx.Module):
         index_logits with ctx.index_loss, without a cache), cache (index keys written on full layers). In training
         past SPARSE_CHUNK_ROWS the attention runs in rematerialised sequence chunks (`sparse_chunked`)."""
         cfg, q_seg = self.cfg, ctx.segment_ids
-        k_seg, q_idx = (q_seg, ctx.q_idx) if cache is None else (ctx.kv_valid, ctx.q_idx)
+        k_seg, q_idx = (q_seg if cache is None else ctx.kv_valid), ctx.q_idx
         on_context = functools.partial(local_queries, ctx.layout)  # local queries, gathered keys (no cache)
         fns = BACKENDS[cfg.attention_impl] if ctx.backend is None else ctx.backend
         if self.indexer is not None:
