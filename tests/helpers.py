@@ -39,3 +39,18 @@ def batch_from_docs(docs_per_row, seq_len):
 def random_batch(cfg, B, S, seed=0):
     tok = jax.random.randint(jax.random.key(seed), (B, S), 0, cfg.vocab_size, dtype=jnp.int32)
     return Batch(tok, jnp.ones((B, S), jnp.int32), jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S)))
+
+
+FAST = {"xla_backend_optimization_level": 0}  # XLA:CPU compiles ~1.6x faster: for programs a test runs once
+
+
+def jit_once(fn):
+    """fn(model, *args) jitted with the model's state as an argument and XLA:CPU's optimisations off (FAST): for
+    compile-bound tests that call it once; the model is not updated in place."""
+    from flax import nnx
+
+    def call(model, *args):
+        graphdef, state = nnx.split(model)
+        return jax.jit(lambda s, *a: fn(nnx.merge(graphdef, s), *a), compiler_options=FAST)(state, *args)
+
+    return call

@@ -8,7 +8,7 @@ from flax import nnx
 from glmjax.model import GLM, Batch, plan_stacks
 from glmjax.model.backends import XLA
 from glmjax.model.transformer import shifted_targets, token_nll
-from helpers import batch_from_docs, random_batch, tiny
+from helpers import batch_from_docs, jit_once, random_batch, tiny
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +140,7 @@ def test_mtp_loss_against_a_naive_loop_over_depths(model, mode):
 def test_gradients_finite_in_bf16(mode):
     m = GLM(tiny(dtype="bfloat16", param_dtype="bfloat16"), nnx.Rngs(2))
     b = random_batch(m.cfg, 2, 48, seed=7)
-    grads = nnx.jit(nnx.grad(lambda m, b: m.loss(b, mode)[0]))(m, b)
+    grads = jit_once(nnx.grad(lambda m, b: m.loss(b, mode)[0]))(m, b)
     leaves = jax.tree.leaves(grads)
     assert all(bool(jnp.all(jnp.isfinite(g.astype(jnp.float32)))) for g in leaves)
     assert sum(float(jnp.sum(jnp.abs(g.astype(jnp.float32)))) for g in leaves) > 0
@@ -148,7 +148,7 @@ def test_gradients_finite_in_bf16(mode):
 
 def test_lm_loss_never_reaches_the_indexer_and_the_router_bias_is_not_a_param(model):
     b = random_batch(model.cfg, 2, 48, seed=8)
-    grads = nnx.jit(nnx.grad(lambda m, b: m.loss(b, "sparse")[0]))(model, b)
+    grads = jit_once(nnx.grad(lambda m, b: m.loss(b, "sparse")[0]))(model, b)
     idx_grad = grads["stacks"][0]["units"]["layers"][0]["self_attn"]["indexer"]
     assert all(float(jnp.max(jnp.abs(g))) == 0 for g in jax.tree.leaves(idx_grad))
     mla_grad = grads["stacks"][0]["units"]["layers"][0]["self_attn"]["q_a_proj"]
@@ -194,7 +194,7 @@ def test_glm5_and_glm52_shapes_plan_into_few_stacks_and_count_exactly():
 @pytest.mark.parametrize("remat", ["full", "save_dots"])
 def test_remat_policies_give_the_same_loss_and_gradients(remat):
     b = random_batch(tiny(), 2, 32, seed=9)
-    grad = nnx.jit(nnx.value_and_grad(lambda m, b: m.loss(b, "sparse")[0]))
+    grad = jit_once(nnx.value_and_grad(lambda m, b: m.loss(b, "sparse")[0]))
     l0, g0 = grad(GLM(tiny(), nnx.Rngs(3)), b)
     l1, g1 = grad(GLM(tiny(remat=remat), nnx.Rngs(3)), b)
     np.testing.assert_allclose(l0, l1, rtol=1e-6)

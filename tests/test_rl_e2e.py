@@ -117,25 +117,27 @@ def test_ppo_raises_heldout_accuracy_and_the_critic_learns(seed, tmp_path):
 
 @pytest.mark.timeout(1200)
 def test_ppo_learns_with_another_float_stream(tmp_path):
-    """The same runs with XLA on one CPU thread and one device (taskset -c 0, Eigen's thread pool off) in a
-    subprocess: a different float stream (its warm-up losses differ from this process's), the same margins."""
+    """The same run with XLA on one CPU thread and one device (taskset -c 0, Eigen's thread pool off) in a
+    subprocess: a different float stream (its warm-up losses differ from this process's), the same margins. Seed 0
+    here (the suite's time budget); GLMJAX_E2E_SEEDS=0,1,2 runs the three seeds of docs/ppo.md's table."""
+    seeds = tuple(int(s) for s in os.environ.get("GLMJAX_E2E_SEEDS", "0").split(","))
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1 --xla_cpu_multi_thread_eigen=false",
            "JAX_PLATFORMS": "cpu"}
     out = tmp_path / "runs.json"
-    cmd = [sys.executable, os.path.abspath(__file__), str(out), str(tmp_path), *map(str, SEEDS)]
+    cmd = [sys.executable, os.path.abspath(__file__), str(out), str(tmp_path), *map(str, seeds)]
     if shutil.which("taskset"):
         cmd = ["taskset", "-c", "0"] + cmd
     subprocess.run(cmd, env=env, check=True, timeout=1100)
     runs = json.loads(out.read_text())
-    assert [r["seed"] for r in runs] == list(SEEDS)
+    assert [r["seed"] for r in runs] == list(seeds)
     for r in runs:
         print(r)
         check_learning(r)
-    c = make_config(seed=0, **LEARNING)
+    c = make_config(seed=seeds[0], **LEARNING)
     task = build_task(c.ppo)
-    here = supervised_warmup(GLM(validate_ppo_config(c), nnx.Rngs(0)), lambda rng: (lambda p: run_script(
+    here = supervised_warmup(GLM(validate_ppo_config(c), nnx.Rngs(seeds[0])), lambda rng: (lambda p: run_script(
         SingleTurnEnv(p, exact_reward), answer_directly(p)))(task.sample(rng)), 60, 64, 10, c.optim.to_dict(), 3e-3,
-        c.ppo.mode, 258, 0)
+        c.ppo.mode, 258, seeds[0])
     assert here != runs[0]["sft_losses"]  # really another float stream (not bitwise the in-process one)
 
 

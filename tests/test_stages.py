@@ -1,12 +1,14 @@
 """Stage losses and plumbing against independent references: the indexer KL (docs/model.md E.2 / E.3 / E.4) computed
 naively, the sparse-stage attention target, gradient routing (the KL reaches only indexers, the LM loss never does),
 parameter surgery across IndexShare patterns, the top-k overlap metric, and the train step's NaN guard."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import random_batch, tiny
+from helpers import FAST, random_batch, tiny
 
 from glmjax.model import GLM
 from glmjax.model.indexer import gathered_index_logits, index_kl, index_scores, index_topk
@@ -111,7 +113,7 @@ def test_gradient_routing(mode):
     graphdef, params, rest = split_model(GLM(cfg, nnx.Rngs(0)), "all")
     batch = random_batch(cfg, 2, 24)  # S = 24 > index_topk = 8
 
-    @jax.jit
+    @functools.partial(jax.jit, compiler_options=FAST)
     def grads(p):
         def loss(p, **w):
             return nnx.merge(graphdef, p, rest).loss(batch, mode, **w)[0]
