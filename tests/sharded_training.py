@@ -4,8 +4,8 @@ As a script it is one process of a multi-process run (tests/test_multihost.py st
     python tests/sharded_training.py PROCESS_ID NUM_PROCESSES PORT CKPT_DIR OUT_JSON
 It trains STEPS_BEFORE steps with the trainer's sharded step, checkpoints with orbax from every process, restores into
 fresh arrays, checks them, trains STEPS_AFTER more steps and (process 0) writes the per-step losses as JSON; then it
-runs every stage's loss and gradients with context parallelism on CONTEXT_MESH, whose context shards lie on both
-processes, and (process 0) writes them next to the JSON (`context_npz`).
+runs the MULTIHOST_GROUPS stages' loss and gradients with context parallelism on CONTEXT_MESH, whose context shards
+lie on both processes, and (process 0) writes them next to the JSON (`context_npz`).
 """
 import json
 import os
@@ -101,8 +101,13 @@ def packed_batch(vocab: int):
     return Batch(*(np.asarray(a) for a in b[:3]), mask), rng.normal(size=(len(DOCS), S)).astype(np.float32)
 
 
-def all_stages(graphdef):
-    """(params, rest, batch, ppo weights) -> {stage group: ((loss, metrics), grads)}, per-token forward outputs.
+GROUPS = ("sparse", "dense", "ppo")  # the stage groups of all_stages
+MULTIHOST_GROUPS = ("sparse",)  # across processes: DSA's gathers and top-k (the suite's time budget; 8 devices: all)
+
+
+def all_stages(graphdef, groups=GROUPS):
+    """(params, rest, batch, ppo weights) -> {stage group: ((loss, metrics), grads)}, per-token forward outputs
+    ({} without "ppo"); groups: which of GROUPS.
 
     The dense stages are one loss: LM + MTP on the SFT mask (sft; pretrain is the same path without a mask) plus the
     indexer KL against dense attention (dense_warmup): the KL reaches only the indexers and the LM terms never do,
@@ -128,8 +133,13 @@ def all_stages(graphdef):
             lp, ent = token_logprobs(h, m.lm_head[...], batch.tokens, TEMPERATURE, m.cfg.loss_chunk)
             return jnp.sum((lp + 0.1 * ent) * w), (lp, aux.attn_topk, aux.index_topk)
 
-        out = {"sparse_adapt+indexshare": stage("sparse", batch._replace(loss_mask=None)),
-               "pretrain/sft+dense_warmup": stage("dense", batch)}
+        out = {}
+        if "sparse" in groups:
+            out["sparse_adapt+indexshare"] = stage("sparse", batch._replace(loss_mask=None))
+        if "dense" in groups:
+            out["pretrain/sft+dense_warmup"] = stage("dense", batch)
+        if "ppo" not in groups:
+            return out, {}
         (loss, fwd), grads = jax.value_and_grad(ppo, has_aux=True)(params)
         out["ppo"] = ((loss, {}), grads)
         return out, dict(zip(("logp", "attn_topk", "index_topk"), fwd))
@@ -137,7 +147,7 @@ def all_stages(graphdef):
     return fn
 
 
-def context_reference():
+def context_reference(groups=GROUPS):
     """One device, XLA attention: (graphdef, params, rest, batch, w, all_stages' results as numpy)."""
     import jax
     from flax import nnx
@@ -145,7 +155,7 @@ def context_reference():
     c = context_cfg("xla")
     graphdef, params, rest = nnx.split(GLM(c, nnx.Rngs(0)), nnx.Param, ...)
     batch, w = packed_batch(c.vocab_size)
-    out = jax.jit(all_stages(graphdef), compiler_options=FAST)(params, rest, batch, w)
+    out = jax.jit(all_stages(graphdef, groups), compiler_options=FAST)(params, rest, batch, w)
     return graphdef, params, rest, batch, w, jax.device_get(out)
 
 
@@ -163,6 +173,9 @@ def assert_equal_to_reference(got, want):
             norm = np.linalg.norm(g1)
             err = np.linalg.norm(g - g1) / norm if norm else np.abs(g).max()
             assert err <= 1e-5, (name, jax.tree_util.keystr(path), err)
+    assert stages.keys() == stages1.keys() and fwd.keys() == fwd1.keys()
+    if not fwd:
+        return
     np.testing.assert_allclose(fwd["logp"], fwd1["logp"], atol=2e-5, rtol=1e-5)  # per token, natural order
     np.testing.assert_array_equal(fwd["index_topk"], fwd1["index_topk"])  # the indexer's top-k: identical
     # the attention's top-k (streamed on the mesh, materialised on one device: near-ties may order differently) on
@@ -171,7 +184,7 @@ def assert_equal_to_reference(got, want):
     np.testing.assert_array_equal(fwd["attn_topk"][:, real], fwd1["attn_topk"][:, real])
 
 
-def context_stages_on_mesh(mesh, impl: str = "xla", rows=None):
+def context_stages_on_mesh(mesh, impl: str = "xla", rows=None, groups=GROUPS):
     """all_stages on `mesh` (zig-zag layout), state created sharded; rows: this process's rows (None: all)."""
     import jax
     from flax import nnx
@@ -183,7 +196,7 @@ def context_stages_on_mesh(mesh, impl: str = "xla", rows=None):
     rows = np.arange(len(DOCS)) if rows is None else rows
     batch, w = par.global_batch(jax.tree.map(lambda a: a[rows], (batch, w)), mesh, len(DOCS))
     assert batch.tokens.sharding.spec[1] == "context"
-    return jax.jit(par.with_mesh(all_stages(graphdef), mesh), compiler_options=FAST)(
+    return jax.jit(par.with_mesh(all_stages(graphdef, groups), mesh), compiler_options=FAST)(
         params, rest, batch, w)
 
 
@@ -239,11 +252,11 @@ def worker(process_id: int, num_processes: int, port: int, ckpt_dir: str, out_js
         with open(out_json, "w") as f:
             json.dump({"losses": losses, "rows": rows.tolist()}, f)
 
-    # context parallelism with the sequence split across the processes: every stage's loss and gradients
+    # context parallelism with the sequence split across the processes: the sparse stages' loss and gradients
     cmesh = par.make_mesh(CONTEXT_MESH)
     crows = par.process_rows(par.batch_sharding(cmesh), len(DOCS))
     assert len(crows) == len(DOCS), crows  # each process holds every row's share of the sequence
-    out = context_stages_on_mesh(cmesh, rows=crows)
+    out = context_stages_on_mesh(cmesh, rows=crows, groups=MULTIHOST_GROUPS)
     flat = [np.asarray(multihost_utils.process_allgather(x, tiled=True)) for x in jax.tree.leaves(out)]
     if process_id == 0:
         np.savez(context_npz(out_json), *flat)

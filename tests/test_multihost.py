@@ -1,7 +1,7 @@
 """Two processes x 4 CPU devices on 127.0.0.1 (gloo collectives): sharded, expert-parallel training, an orbax
 checkpoint written and restored by both processes, and the same losses as one process on one device; context
-parallelism with the sequence split across the processes (context=4 x tensor=2): every stage's loss and gradients
-equal one device's."""
+parallelism with the sequence split across the processes (context=4 x tensor=2): the sparse stages' (sparse_adapt,
+indexshare) loss and gradients equal one device's (every stage on 8 devices in one process: test_context_parallel)."""
 import json
 import os
 import socket
@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from sharded_training import (STEPS_AFTER, STEPS_BEFORE, assert_equal_to_reference, context_npz,
+from sharded_training import (MULTIHOST_GROUPS, STEPS_AFTER, STEPS_BEFORE, assert_equal_to_reference, context_npz,
                               context_reference, reference_losses)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -49,7 +49,7 @@ def test_two_processes_train_checkpoint_restore_and_match_single_process(tmp_pat
     np.testing.assert_allclose(got["losses"], ref, rtol=1e-4)  # float summation order differs
     assert ref[-1] < ref[0] - 1.0  # it learns (the sequences are predictable)
 
-    want = context_reference()[-1]
+    want = context_reference(MULTIHOST_GROUPS)[-1]
     with np.load(context_npz(out)) as f:
         leaves = [f[f"arr_{i}"] for i in range(len(f.files))]
     assert_equal_to_reference(jax.tree.unflatten(jax.tree.structure(want), leaves), want)
