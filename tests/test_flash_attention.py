@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import random_batch, tiny
+from helpers import FAST, random_batch, tiny
 from jax.experimental import topologies
 
 import glmjax.model.mla as mla
@@ -22,7 +22,6 @@ from glmjax.model.transformer import unit_index_loss
 from glmjax.parallel import default_parallel_config, make_mesh, with_mesh
 
 BLOCK = 8
-FAST = {"xla_backend_optimization_level": 0}
 
 
 def rand(key, shape, scale=1.0):

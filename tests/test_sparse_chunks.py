@@ -3,13 +3,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from helpers import tiny
+from helpers import FAST, tiny
 
 import glmjax.model.mla as mla
 from glmjax.model.layers import rope_tables
 from glmjax.model.transformer import unit_index_loss
 
-FAST = {"xla_backend_optimization_level": 0}
 S, CHUNK = 37, 8  # 4 whole chunks and a remainder of 5
 
 

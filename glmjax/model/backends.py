@@ -24,7 +24,6 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType
 
 import pallas_kernels
 from glmjax.model import context, indexer, sparse_attention
@@ -44,7 +43,7 @@ def _on_mesh(kernel, axes, *args, **static):
         return kernel(*args, **static)
     interpret = mesh.abstract_device is None or mesh.abstract_device.platform != "tpu"  # Mosaic for a TPU mesh
     kernel = functools.partial(kernel, interpret=interpret)
-    if mesh.size == 1 or all(t == AxisType.Manual for t in mesh.axis_types):
+    if not context.needs_shard_map(mesh):
         return kernel(*args, **static)
     return context.local_queries(context.Layout("contiguous", 1), kernel, *axes)(*args, **static)
 

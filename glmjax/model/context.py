@@ -86,6 +86,12 @@ def context_size(mesh=None) -> int:
     return mesh.shape[AXIS]
 
 
+def needs_shard_map(mesh) -> bool:
+    """Must a Mosaic kernel traced under `mesh` (the abstract mesh in context) be wrapped in `jax.shard_map`? No
+    without a mesh, on one device, or inside a region where every mesh axis is already manual."""
+    return not (mesh.empty or mesh.size == 1 or all(t == jax.sharding.AxisType.Manual for t in mesh.axis_types))
+
+
 def layout(kind: str, S: int) -> Layout | None:
     """The layout of a length-S sequence on the mesh in context; None when nothing splits the sequence. Errors name
     the field (model.context_layout) and the rule."""

@@ -33,7 +33,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash_kernel
-from jax.sharding import AxisType
 
 from glmjax.model import context
 
@@ -87,8 +86,7 @@ def splash_attention(q, k, v, q_seg, k_seg, scale: float, block: int, interpret:
     (visible: t <= s and equal segment ids) -> (out [B,S,H,e] in v's dtype, lse [B,S,H] f32). S is padded to a
     multiple of the block (padded keys are causally after every real query). Differentiable in q, k, v. On a mesh
     of several devices the kernel runs inside `jax.shard_map` (Mosaic kernels cannot be partitioned by XLA)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or mesh.size == 1 or all(t == AxisType.Manual for t in mesh.axis_types):
+    if not context.needs_shard_map(jax.sharding.get_abstract_mesh()):
         return _splash_local(q, k, v, q_seg, k_seg, scale, block, interpret)
     one = context.Layout("contiguous", 1)  # nothing gathered: each shard holds whole sequences
     return context.local_queries(one, _splash_local, *_SPLASH_AXES)(q, k, v, q_seg, k_seg, scale, block, interpret)
