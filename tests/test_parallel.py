@@ -85,6 +85,9 @@ def test_logical_spec_resolution():
     assert spec(("no_such_axis", None), (4, 4)) == P(None, None)
     assert par.logical_spec(("embed", "mlp"), (128, 256), par.make_mesh(MESHES["data8"])) == P(None, None)
     assert par.batch_spec(mesh) == P(("fsdp", "expert")) and par.num_batch_shards(mesh) == 4
+    cp = par.make_mesh(dict(data=1, expert=2, context=4))  # routed experts: context first, expert where it divides
+    assert par.logical_spec(moe_mod.EXPERT_IN_AXES, (16, 128, 64), cp) == P(("context", "expert"), None, None)
+    assert par.logical_spec(moe_mod.EXPERT_IN_AXES, (4, 128, 64), cp) == P("context", "expert", None)
 
 
 # ------------------------------------------------------------------------------------- sharded train step
@@ -320,10 +323,11 @@ def test_sharded_moe_pads_a_token_count_the_mesh_does_not_divide():
     np.testing.assert_array_equal(load1, load0)  # the padding rows are not counted
 
 
-def test_moe_tokens_flatten_without_moving_data_when_the_sequence_is_split():
+def test_moe_tokens_flatten_without_moving_data_when_the_sequence_is_split(monkeypatch):
     """expert=2 x context=4, 4 rows per expert shard: `flatten_tokens` hands the experts' shard_map each device's
     own tokens as one block of rows with no collective (a plain [B,S,D] -> [B*S,D] reshape needs them: the
-    negative control), its inverse restores [B,S,D] exactly, and the sharded MoE equals one device's."""
+    negative control), its inverse restores [B,S,D] exactly, and the sharded MoE -- experts split over context x
+    expert, both dispatches -- equals one device's."""
     mesh = par.make_mesh(dict(data=1, expert=2, context=4))
     y = jax.random.normal(jax.random.key(6), (8, 8, 16))
     tokens = jax.sharding.NamedSharding(mesh, P(par.token_axes(mesh)))
@@ -339,14 +343,17 @@ def test_moe_tokens_flatten_without_moving_data_when_the_sequence_is_split():
     np.testing.assert_array_equal(unflatten(x), y)
     assert not np.array_equal(x, y.reshape(-1, 16))  # the rows are reordered (by batch shard, then context shard)
 
-    cfg, state = moe_setup(moe_dispatch="all_to_all")
-    y = jax.random.normal(jax.random.key(7), (8, 8, cfg.hidden_size))
-    (l0, (o0, load0)), g0 = moe_grads(cfg, state, y)
-    (l1, (o1, load1)), g1 = moe_grads(cfg, state, y, mesh)
-    np.testing.assert_allclose(o1, o0, rtol=1e-5, atol=1e-6)
-    np.testing.assert_array_equal(load1, load0)
-    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * np.abs(b).max())
+    # the 16 experts split 8 ways over context x expert (one expert-parallel group of two mesh axes)
+    monkeypatch.setattr(moe_mod, "ragged_all_to_all", emulated_ragged_all_to_all)
+    for dispatch in ("all_to_all", "ragged_all_to_all"):
+        cfg, state = moe_setup(moe_dispatch=dispatch)
+        y = jax.random.normal(jax.random.key(7), (8, 8, cfg.hidden_size))
+        (l0, (o0, load0)), g0 = moe_grads(cfg, state, y)
+        (l1, (o1, load1)), g1 = moe_grads(cfg, state, y, mesh)
+        np.testing.assert_allclose(o1, o0, rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(load1, load0)
+        for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * np.abs(b).max())
 
 
 def capacity_reference(cfg, state, y, n_shards, ep, cap, dispatch):

@@ -8,8 +8,9 @@ Group sizes and the expert load are counted by binary search in the sorted ids, 
 On a device mesh (the abstract mesh in context, see `glmjax/parallel/sharding.py::with_mesh`) the experts run
 inside `shard_map`: every device sorts its own tokens' pairs; expert weights are gathered over the axes that split
 their model width (FSDP) and their hidden width stays split over "tensor" (partial outputs, one psum).
-With an `expert` axis > 1 the experts themselves are split (expert parallelism): each device sends its sorted
-rows to the devices owning their experts, those run their local experts and send the results back.
+With the experts themselves split (expert parallelism: over `context` and/or `expert`, the "experts" rule of
+glmjax/parallel/rules.py; several mesh axes act as one group) each device sends its sorted rows to the devices of
+its group owning their experts, those run their local experts and send the results back.
 
   dispatch "all_to_all"        fixed `cap` slots per (source, destination) pair, `lax.all_to_all`
   dispatch "ragged_all_to_all" rows packed per destination, `lax.ragged_all_to_all` into EP * cap rows per
@@ -134,18 +135,18 @@ class MoE(nnx.Module):
         if (_axes(out_spec, 0), _axes(out_spec, 1), _axes(out_spec, 2)) != (e_axes, i_axes, d_axes):
             raise ValueError(f"sharding rules split experts_gate {in_spec} and experts_down {out_spec} differently")
         tok_axes = token_axes(mesh)  # batch and context axes: a context shard's tokens are like more rows
-        if not set(e_axes) <= set(tok_axes) or set(i_axes) & set(tok_axes) or len(e_axes) > 1:
-            raise ValueError(f"expert parallelism needs the experts split over one mesh axis that also splits "
-                             f"tokens, and the expert hidden over axes that do not: experts {e_axes}, hidden "
-                             f"{i_axes}, tokens {tok_axes}")
+        if not set(e_axes) <= set(tok_axes) or set(i_axes) & set(tok_axes):
+            raise ValueError(f"expert parallelism needs the experts split over mesh axes that also split tokens, "
+                             f"and the expert hidden over axes that do not: experts {e_axes}, hidden {i_axes}, "
+                             f"tokens {tok_axes}")
         shards = math.prod(mesh.shape[a] for a in tok_axes)
         pad = -N % shards  # e.g. decoding one token on many devices: pad rows, weight 0, distinct experts 0..K-1
         if pad:
             x = jnp.pad(x, ((0, pad), (0, 0)))
             ids = jnp.concatenate([ids, jnp.broadcast_to(jnp.arange(K, dtype=ids.dtype), (pad, K))])
             weights = jnp.pad(weights, ((0, pad), (0, 0)))
-        ep = e_axes[0] if e_axes else None
-        EP = mesh.shape[ep] if ep else 1
+        ep = e_axes  # the expert-parallel group: one axis, or several taken as one (e.g. context x expert)
+        EP = math.prod(mesh.shape[a] for a in ep)
         dispatch = cfg.moe_dispatch
         if dispatch == "auto":
             dispatch = "ragged_all_to_all" if platform(mesh) == "tpu" else "all_to_all"

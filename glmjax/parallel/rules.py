@@ -14,13 +14,16 @@ Mesh axes (see `glmjax/parallel/mesh.py`):
           gradients must be reduced over the axis anyway (a reduce-scatter instead of an all-reduce: no extra
           traffic) and the weights are already all-gathered layer by layer for FSDP (the gather group just grows);
           replicated, parameters + optimizer state would take `context` times the memory per chip, at the long
-          sequences where activations already fill it
+          sequences where activations already fill it. The routed experts are split over it along "experts"
+          instead (expert parallelism over context, before the expert axis): their tokens travel, not their weights
   tensor  Megatron-style: attention heads, MLP / expert hidden and vocabulary split; the batch is *not* split
 
 A dimension takes the mesh axes of its rule, left to right over the array's dimensions, skipping mesh axes that an
 earlier dimension already took and stopping before an axis whose size would not divide the dimension (that part of
 the dimension stays replicated). E.g. experts_gate [E, D, I] ("experts", "embed", "expert_mlp") -> P("expert",
-"fsdp", "tensor"): "embed" asks for (fsdp, expert) but "experts" took expert first.
+"fsdp", "tensor"): "embed" asks for (fsdp, expert) but "experts" took expert first; with context 256 x expert 2 and
+E = 256, "experts" takes context (256 | 256) and stops before expert (512 does not divide 256), so "embed" takes
+expert: P("context", "expert", None).
 """
 from __future__ import annotations
 
@@ -50,7 +53,11 @@ LOGICAL_RULES: dict[str, tuple[str, ...]] = {
     "index_heads": ("tensor",),
     "index_head_dim": (),
     "mlp": ("tensor",),  # dense MLP and shared-expert hidden
-    "experts": ("expert",),  # routed experts [E, ...]
+    # routed experts [E, ...]: context first -- at long sequences context is the large axis and a context shard's
+    # tokens are few (GLM-5 at 202,752 on 256 context shards: 5,544 per chip) while one layer's experts are 19 GB
+    # in bf16: moving the tokens to the experts costs far less than gathering the experts' model width over
+    # context (the "embed" rule) layer by layer; expert joins where context x expert divides E
+    "experts": ("context", "expert"),
     "expert_mlp": ("tensor",),  # routed-expert hidden I
     "experts_router": (),  # router gate [D, E] and correction bias [E]: every rank routes its own tokens
     "mtp_in": (),  # MTP eh_proj input [2D]
