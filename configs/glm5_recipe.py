@@ -29,7 +29,10 @@ def get_config():
     c = glm5.get_config()
     c.train.update(seq_len=SEQ, batch_size=BATCH, steps=1000, checkpoint_every=100, eval_every=250,
                    index_loss_weight=1.0)
-    c.model.update(attention_impl="pallas", remat="full")
+    # expert parallelism over context x expert (256 ways: one expert per chip); dropless would size every receive
+    # buffer for all of a group's tokens landing on one chip (256 x 5,544 rows x 6144 x 2 B = 17 GB per layer), so a
+    # chip takes at most twice its mean load (docs/model.md B.9; pairs past it contribute zero)
+    c.model.update(attention_impl="pallas", remat="full", moe_capacity_factor=2.0)
     c.parallel = default_parallel_config(data=1, expert=2, context=256)  # v5p:8x8x8, 512 chips (docstring)
     return experiment_fields(
         c, stage="recipe", recipe=("dense_warmup", "sparse_adapt", "indexshare"),

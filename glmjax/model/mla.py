@@ -130,8 +130,7 @@ class MLA(nnx.Module):
         blocked = ctx.layout is not None or cfg.dense_attention_impl == "splash" or not materialise(B, H, S, S)
         if blocked and head_groups(S, H) > 1:
             out, max_logit, lse = self.dense_grouped(p, ctx, head_groups(S, H))
-            q, k, _ = expand_kv(*map(jax.lax.stop_gradient, args[:6]))
-            target = dense_target(q, k, lse, cfg.softmax_scale, cfg.block_q)
+            target = training_target(*args[:5], lse, cfg.softmax_scale, cfg.block_q, ctx.layout)
         elif blocked:
             o, max_logit, target = dense_mla_blocked(*args, cfg.block_q, ctx.q_idx, ctx.layout,
                                                      cfg.dense_attention_impl)
@@ -190,8 +189,7 @@ class MLA(nnx.Module):
         return acc.astype(dt), jnp.max(max_logit), jnp.moveaxis(lse, 0, 2).reshape(B, S, -1)
 
     def absorbed_queries(self, p: Projected):
-        """[q_nope . W_UK | q_pe] [B,S,H,r_kv+d_r]: queries against the latent rows in MQA form (docs/model.md D.2)."""
-        return jnp.concatenate([jnp.einsum("bshd,chd->bshc", p.q_nope, p.w_uk), p.q_pe], axis=-1)
+        return absorb(p.q_nope, p.q_pe, p.w_uk)
 
     def dense_cached(self, p: Projected, ctx: Ctx, latent):
         """Absorbed attention over every visible row of the cache latent [B,T,576] -> o [B,S,H,d_v]; materialised
@@ -354,13 +352,34 @@ def dense_mla_blocked(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, segment_ids, scale, 
     recompute the head-mean probabilities from). q_idx [B,S]: the key slot of each query (None: self-attention,
     slot = position in the row); layout: context parallelism (local queries, the latent rows gathered,
     `context.local_queries`); impl: `dense_kernels.DENSE_IMPLS` (explicit slots run the XLA flash)."""
-    q, k, v = expand_kv(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv)
     if layout is None:
+        q, k, v = expand_kv(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv)
         out, lse, row_max = flash_attention(q, k, v, segment_ids, segment_ids, q_idx, scale, block, block, impl)
+        target = dense_target(q, k, lse, scale, block)
     else:  # each context shard gathers the latent rows (576 wide), not H x (d_qk + d_v) keys and values
         out, lse, row_max = local_queries(layout, flash_from_latent, *context.LATENT_FLASH)(
             q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, segment_ids, segment_ids, q_idx, scale, block)
-    return out, jax.lax.stop_gradient(jnp.max(row_max)), dense_target(q, k, lse, scale, block)
+        target = training_target(q_nope, q_pe, c_kv, k_pe, w_uk, lse, scale, block, layout)
+    return out, jax.lax.stop_gradient(jnp.max(row_max)), target
+
+
+def training_target(q_nope, q_pe, c_kv, k_pe, w_uk, lse, scale: float, block: int, layout: Layout | None):
+    """The dense attention's DenseTarget (no gradient) from the projections and the flash lse [B,S,H]. One device:
+    per-head queries and keys (`expand_kv`). Context parallelism: in the absorbed form (docs/model.md D.2) --
+    queries [q_nope . W_UK | q_pe] [B,S,H,576] against the latent rows [c_kv | k_pe] [B,T,576] shared by the heads,
+    the same scores -- because the streamed losses gather the keys of the whole sequence onto every context shard:
+    576 values per key instead of H x 256 (GLM-5 at 202,752 tokens, 7 rows a shard: 1.6 GB instead of 46 GB);
+    the price is 576 instead of 256 multiply-adds per query-key pair and head in the target's recomputation."""
+    q_nope, q_pe, c_kv, k_pe, w_uk = map(jax.lax.stop_gradient, (q_nope, q_pe, c_kv, k_pe, w_uk))
+    if layout is None:
+        q, k, _ = expand_kv(q_nope, q_pe, c_kv, k_pe, w_uk, w_uk)  # (the values are not used)
+        return dense_target(q, k, lse, scale, block)
+    return dense_target(absorb(q_nope, q_pe, w_uk), jnp.concatenate([c_kv, k_pe], axis=-1), lse, scale, block)
+
+
+def absorb(q_nope, q_pe, w_uk):
+    """[q_nope . W_UK | q_pe] [B,S,H,r_kv+d_r]: queries against the latent rows in MQA form (docs/model.md D.2)."""
+    return jnp.concatenate([jnp.einsum("bshd,chd->bshc", q_nope, w_uk), q_pe], axis=-1)
 
 
 def flash_from_latent(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, q_seg, k_seg, q_idx, scale, block: int):
