@@ -14,9 +14,10 @@ Mesh: check it ahead of time on any host (docs/benchmarks.md "Whole training ste
   python train.py --config=configs/glm5_recipe.py --dry-run --topology=v5p:8x8x8
 The batch of 14 sequences splits over the batch axes (data x fsdp x expert) only 1, 2, 7 or 14 ways, and fsdp cannot
 shard the model width (6144 = 2^11 x 3) 7 ways, so: expert=2 (7 sequences per expert shard) and the sequence over
-`context` (parameters FSDP-sharded over it too, glmjax/parallel/rules.py); tensor=1 (the residual stream is not
-split over tensor, so every tensor rank would hold all its tokens' activations). NOT yet a fit: sparse_adapt needs
-100.4 GiB per chip of v5p's 95 on 512 chips (130.6 on 768, where the LoRA-rank weights stop splitting over context).
+`context` (parameters FSDP-sharded over it too, the routed experts split over it: one per chip,
+glmjax/parallel/rules.py); tensor=1 (the residual stream is not split over tensor, so every tensor rank would hold
+all its tokens' activations). Fits 512 chips (docs/benchmarks.md): dense_warmup 32.5 GiB, sparse_adapt 62.7 GiB
+per chip of v5p's 95.
 """
 from configs import glm5
 from glmjax.parallel import default_parallel_config
