@@ -91,18 +91,29 @@ def constrain(x, axes):
 
 
 def write_on_context(cache, rows, q_idx):
-    """cache [B,T,C] split over context (shard i: slots i*T/N ..) with rows [B,S,C] written at slots q_idx [B,S]:
-    every shard receives all the new rows (prefill: an all-gather of [B,S,C]; decode: the row is already there)
-    and scatters those in its slot range into its piece. No cache row crosses devices."""
+    """cache [B,T,C] split over context (shard i: slots i*T/N ..) with rows [B,S,C] written at slots q_idx [B,S]
+    (each row's slots: start .. start+S-1 in any order, e.g. the context layout's): every shard receives all the new
+    rows (prefill: an all-gather of [B,S,C]; decode: the row is already there) and rewrites, in place, the window of
+    min(S, T/N) slots of its piece that holds every new slot in its range. No cache row crosses devices."""
     mesh = jax.sharding.get_abstract_mesh()
     spec = logical_spec(CACHE_AXES[1:], cache.shape, mesh)
     rows_spec = P(spec[0])
 
     def body(c, r, idx):
-        L = c.shape[1]
-        local = idx - (0 if spec[1] is None else jax.lax.axis_index(spec[1]) * L)
-        local = jnp.where((local >= 0) & (local < L), local, L)  # another shard's slot: dropped
-        return jax.vmap(lambda c, r, i: c.at[i].set(r.astype(c.dtype), mode="drop"))(c, r, local)
+        L, S = c.shape[1], r.shape[1]
+        W = min(S, L)
+        off = 0 if spec[1] is None else jax.lax.axis_index(spec[1]) * L  # this shard's first slot
+
+        def one(c, r, idx):  # one row: c [L,C], r [S,C], idx [S]
+            start = jnp.min(idx)
+            p0 = jnp.clip(start - off, 0, L - W)  # the window [p0, p0+W) of local slots
+            rank = off + p0 + jnp.arange(W) - start  # the new row (by slot order) each window slot takes
+            new = r[jnp.argsort(idx)[jnp.clip(rank, 0, S - 1)]]
+            keep = jax.lax.dynamic_slice_in_dim(c, p0, W, 0)
+            ok = ((rank >= 0) & (rank < S))[:, None]
+            return jax.lax.dynamic_update_slice_in_dim(c, jnp.where(ok, new.astype(c.dtype), keep), p0, 0)
+
+        return jax.vmap(one)(c, r, idx)
 
     return jax.shard_map(body, in_specs=(spec, rows_spec, rows_spec), out_specs=spec, check_vma=False)(
         cache, rows, q_idx)
