@@ -1,8 +1,9 @@
-"""Decoder on a mesh (8 CPU devices): prefill, decode steps and greedy generate on context=4 x expert=2 and on
-context=2 x fsdp=2 x tensor=2 equal the one-device Decoder (f32, <= 1e-5 relative; tokens identical), in dense and
-sparse mode, for a batch of prompts of different lengths (13 and 21 tokens: 21 > index_topk 8, padded to 24 for
-the zig-zag layout); the caches are split over context (each device holds T / context slots) and a decode step
-moves no cache rows between devices (its compiled collectives)."""
+"""Decoder on a mesh (8 CPU devices): prefill, extend, decode steps and greedy generate on context=4 x expert=2 and
+on context=2 x fsdp=2 x tensor=2 equal the one-device Decoder (f32, <= 1e-5 relative; tokens identical), in dense
+and sparse mode, for a batch of prompts of different lengths (13 and 21 tokens: 21 > index_topk 8, padded to 24
+for the zig-zag layout) extended by a chunk of 3 (padded to 4 or 8); the caches are split over context (each
+device holds T / context slots) and a decode step moves no cache rows between devices (its compiled collectives).
+"""
 import re
 
 import jax
@@ -20,7 +21,7 @@ MESHES = {"context4_expert2": dict(data=1, expert=2, context=4),
           "context2_fsdp2_tensor2": dict(data=1, fsdp=2, context=2, tensor=2)}
 LENGTHS = np.array([13, 21], np.int32)
 T = 40  # cache capacity: a multiple of 4 context shards; no other dimension of the model is 40
-STEPS, NEW = 4, 6  # decode steps checked one by one; tokens generated greedily
+EXTEND, STEPS, NEW = 3, 3, 6  # tokens appended by extend; decode steps checked one by one; generated
 
 
 def small_cfg(**kw):
@@ -40,12 +41,16 @@ def seqs(model):
 
 
 def run(dec: Decoder, seqs):
-    """Prefill the prompts seqs[b, :LENGTHS[b]], then decode STEPS tokens of seqs -> logits [1+STEPS, B, V], the
-    caches; greedy generate of NEW tokens -> (tokens, log-probs)."""
+    """Prefill the prompts seqs[b, :LENGTHS[b]], extend each row by the next EXTEND tokens of seqs (a chunk of 3,
+    padded inside), then decode STEPS tokens of seqs -> logits [2+STEPS, B, V], the caches; greedy generate of
+    NEW tokens -> (tokens, log-probs)."""
     prompts = np.where(np.arange(LENGTHS.max())[None] < LENGTHS[:, None], seqs[:, :LENGTHS.max()], 0)
     caches = dec.init_cache(2, T)
     logits, caches = dec.prefill(dec.state, jnp.asarray(prompts), jnp.asarray(LENGTHS), caches)
-    out, cur = [np.asarray(logits)], LENGTHS.copy()
+    out = [np.asarray(logits)]
+    chunk = np.stack([seqs[b, n:n + EXTEND] for b, n in enumerate(LENGTHS)])
+    logits, caches = dec.extend(dec.state, jnp.asarray(chunk), jnp.asarray(LENGTHS), caches)
+    out, cur = out + [np.asarray(logits)], LENGTHS + EXTEND
     for _ in range(STEPS):
         logits, caches = dec.decode(dec.state, jnp.asarray(seqs[np.arange(2), cur]), jnp.asarray(cur), caches)
         out.append(np.asarray(logits))
@@ -86,7 +91,7 @@ def test_decoder_on_mesh_equals_one_device(name, mode, model, seqs, reference):
     dec = Decoder(model, mode, mesh=mesh, compiler_options=FAST)
     logits, caches, (tokens, logprobs) = run(dec, seqs)
     want_logits, (want_tokens, want_logprobs) = reference[mode]
-    assert_close(logits, want_logits)  # prefill, then every decode step
+    assert_close(logits, want_logits)  # prefill, extend, then every decode step
     np.testing.assert_array_equal(tokens, want_tokens)
     np.testing.assert_allclose(logprobs, want_logprobs, rtol=1e-5, atol=1e-6)
     for leaf in jax.tree.leaves(caches):  # [n_units, B, T, C]: T split over context, B over the batch axes
