@@ -275,8 +275,9 @@ def write_rows(cache, rows, start):
 
 def write_new_rows(ctx: Ctx, cache, rows):
     """cache [B,T,C] with this step's rows [B,S,C] written at their slots ctx.q_idx (by ctx.cache_write if set)."""
-    return write_rows(cache, rows, ctx.q_idx[:, 0]) if ctx.cache_write is None else ctx.cache_write(cache, rows,
-                                                                                                      ctx.q_idx)
+    if ctx.cache_write is None:
+        return write_rows(cache, rows, ctx.q_idx[:, 0])
+    return ctx.cache_write(cache, rows, ctx.q_idx)
 
 
 MATERIALISE_MAX_SCORES = 2 ** 24  # [B,H,S,T] scores (64 MiB in f32) up to which dense attention materialises them
@@ -324,8 +325,10 @@ ABSORBED = ((context.QH, context.K, context.Q, context.K, context.Q, None, None,
 
 def absorbed_attention(q_abs, latent, q_seg, kv_valid, q_idx, scale, r_kv, block: int):
     """Absorbed queries [B,S,H,576] over the visible latent rows [B,T,576] -> [B,S,H,r_kv]: materialised while
-    `materialise`, else blocked (flash, MQA form)."""
-    if materialise(*q_abs.shape[:3], latent.shape[1]):
+    `materialise`, else blocked (flash, MQA form). On a cache split over context (decode, glmjax/infer/decode.py)
+    always materialised: [B,H,S,T/context] scores per device, which XLA splits with the cache (a loop over key
+    blocks would gather it)."""
+    if context.context_size() > 1 or materialise(*q_abs.shape[:3], latent.shape[1]):
         return dense_mla_absorbed(q_abs, latent, visible(q_seg, kv_valid, q_idx), scale, r_kv)
     return dense_mla_absorbed_blocked(q_abs, latent, q_seg, kv_valid, q_idx, scale, r_kv, block)
 
