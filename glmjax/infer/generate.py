@@ -20,7 +20,8 @@ def generate(decoder: Decoder, prompts: Sequence[Sequence[int]], max_new_tokens:
              temperature: float = 0.0, top_p: float = 1.0, stop_tokens: Sequence[int] = (), pad_id: int = 0,
              max_len: int | None = None) -> Generation:
     """Prefill all prompts (right-padded), then decode token by token until every row hit a stop token or
-    max_new_tokens. `key` drives sampling (one split per step); temperature 0 is greedy."""
+    max_new_tokens. `key` drives sampling (one split per step); temperature 0 is greedy. max_len: the cache
+    capacity (default: longest prompt + max_new_tokens, rounded up to `decoder.cache_multiple`)."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate: every prompt needs at least one token")
     if max_new_tokens < 1:
@@ -31,7 +32,8 @@ def generate(decoder: Decoder, prompts: Sequence[Sequence[int]], max_new_tokens:
     lengths = np.array([len(p) for p in prompts], np.int32)
     S = int(lengths.max())
     need = S + max_new_tokens
-    max_len = need if max_len is None else max_len
+    m = decoder.cache_multiple  # a mesh's context shards split the cache's slots
+    max_len = -(-need // m) * m if max_len is None else max_len
     if max_len < need:
         raise ValueError(f"max_len={max_len} < longest prompt {S} + max_new_tokens {max_new_tokens}")
     vocab = decoder.model.cfg.vocab_size

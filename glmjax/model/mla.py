@@ -11,7 +11,7 @@ mode "sparse": the layer's indexer (or, on an IndexShare "shared" layer, the pre
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +41,9 @@ class Ctx(NamedTuple):
     index_loss: bool = False  # training with an indexer KL: layers return its inputs (attn_p, index_logits)
     topk_stats: bool = False  # diagnostics (dense mode): layers return attn_topk, full layers index_topk
     backend: Backend | None = None  # sparse-mode functions; None: BACKENDS[cfg.attention_impl]
-    layout: Layout | None = None  # context parallelism: the sequence's layout (glmjax/model/context.py), no cache
+    layout: Layout | None = None  # context parallelism: the sequence's layout (glmjax/model/context.py); with a
+    # cache, the cache's (contiguous: shard i holds slots i*T/N..): queries local at q_idx, cache rows gathered
+    cache_write: Callable | None = None  # (cache [B,T,C], rows [B,S,C], q_idx) -> cache; None: `write_rows`
 
 
 class AttnStats(NamedTuple):
@@ -92,7 +94,7 @@ class MLA(nnx.Module):
         p = self.project(x, ctx)
         latent = jnp.concatenate([p.c_kv, p.k_pe], axis=-1)  # [B,S,576]: the MLA cache row of each token (docs/model.md D.1)
         if cache is not None:
-            cache = dict(cache, latent=write_rows(cache["latent"], latent, ctx.q_idx[:, 0]))
+            cache = dict(cache, latent=write_new_rows(ctx, cache["latent"], latent))
             latent = cache["latent"]
         if ctx.mode == "dense" and cache is None:
             out, stats = self.dense_training(x, p, ctx)  # output-projected itself (head groups at long S)
@@ -192,15 +194,12 @@ class MLA(nnx.Module):
         return absorb(p.q_nope, p.q_pe, p.w_uk)
 
     def dense_cached(self, p: Projected, ctx: Ctx, latent):
-        """Absorbed attention over every visible row of the cache latent [B,T,576] -> o [B,S,H,d_v]; materialised
-        while `materialise`, else blocked (flash, MQA form)."""
-        cfg, q_abs = self.cfg, self.absorbed_queries(p)
-        if materialise(*q_abs.shape[:3], latent.shape[1]):
-            vis = visible(ctx.segment_ids, ctx.kv_valid, ctx.q_idx)
-            o_lat = dense_mla_absorbed(q_abs, latent, vis, cfg.softmax_scale, cfg.kv_lora_rank)
-        else:
-            o_lat = dense_mla_absorbed_blocked(q_abs, latent, ctx.segment_ids, ctx.kv_valid, ctx.q_idx,
-                                               cfg.softmax_scale, cfg.kv_lora_rank, cfg.block_q)
+        """Absorbed attention over every visible row of the cache latent [B,T,576] -> o [B,S,H,d_v]
+        (`absorbed_attention`; with ctx.layout each context shard's queries against the gathered cache rows)."""
+        cfg = self.cfg
+        o_lat = local_queries(ctx.layout, absorbed_attention, *ABSORBED)(
+            self.absorbed_queries(p), latent, ctx.segment_ids, ctx.kv_valid, ctx.q_idx, cfg.softmax_scale,
+            cfg.kv_lora_rank, cfg.block_q)
         return jnp.einsum("bshc,chv->bshv", o_lat, p.w_uv)
 
     def sparse(self, x, p: Projected, ctx: Ctx, latent, topk, cache):
@@ -215,7 +214,7 @@ class MLA(nnx.Module):
         if self.indexer is not None:
             qi, ki, wi = self.indexer(x, p.q_resid, ctx.cos, ctx.sin)
             if cache is not None:
-                cache = dict(cache, index_k=write_rows(cache["index_k"], ki, ctx.q_idx[:, 0]))
+                cache = dict(cache, index_k=write_new_rows(ctx, cache["index_k"], ki))
                 ki = cache["index_k"]
             topk, _ = on_context(fns.index_topk, *context.INDEX_TOPK)(qi, ki, wi, q_seg, k_seg, cfg.index_topk,
                                                                       cfg.block_q, q_idx)
@@ -272,6 +271,13 @@ def write_rows(cache, rows, start):
     return jax.vmap(lambda c, r, s: jax.lax.dynamic_update_slice_in_dim(c, r.astype(c.dtype), s, 0))(cache, rows, start)
 
 
+def write_new_rows(ctx: Ctx, cache, rows):
+    """cache [B,T,C] with this step's rows [B,S,C] written at their slots ctx.q_idx (by ctx.cache_write if set)."""
+    if ctx.cache_write is None:
+        return write_rows(cache, rows, ctx.q_idx[:, 0])
+    return ctx.cache_write(cache, rows, ctx.q_idx)
+
+
 MATERIALISE_MAX_SCORES = 2 ** 24  # [B,H,S,T] scores (64 MiB in f32) up to which dense attention materialises them
 
 
@@ -310,6 +316,19 @@ def map_chunks(fn, per_query, shared, chunk: int):
     if r:
         outs.append(jax.checkpoint(fn)(*(a[:, n * chunk:] for a in per_query), *shared))
     return tuple(parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1) for parts in zip(*outs))
+
+
+ABSORBED = ((context.QH, context.K, context.Q, context.K, context.Q, None, None, None), (context.QH,))
+
+
+def absorbed_attention(q_abs, latent, q_seg, kv_valid, q_idx, scale, r_kv, block: int):
+    """Absorbed queries [B,S,H,576] over the visible latent rows [B,T,576] -> [B,S,H,r_kv]: materialised while
+    `materialise`, else blocked (flash, MQA form). On a cache split over context (decode, glmjax/infer/decode.py)
+    always materialised: [B,H,S,T/context] scores per device, which XLA splits with the cache (a loop over key
+    blocks would gather it)."""
+    if context.context_size() > 1 or materialise(*q_abs.shape[:3], latent.shape[1]):
+        return dense_mla_absorbed(q_abs, latent, visible(q_seg, kv_valid, q_idx), scale, r_kv)
+    return dense_mla_absorbed_blocked(q_abs, latent, q_seg, kv_valid, q_idx, scale, r_kv, block)
 
 
 def dense_mla_absorbed(q_abs, latent, vis, scale, r_kv):
