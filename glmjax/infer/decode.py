@@ -19,8 +19,9 @@ has no heads axis, so tensor ranks hold the same rows), and with N = context > 1
   gather of latent rows, over the cache's T). Per layer, [B,T,576 (+ d_I)] crosses devices, not per-head K/V.
 - decode (one token per row): the query is replicated over context and XLA's partitioner splits the attention
   over the cache's T: each shard scores its T/N rows (dense: materialised [B,H,1,T/N] scores, a partial softmax
-  whose max / sum / weighted latent sum are all-reduced over context; sparse: the indexer scores of its rows, a top-k of the [B,1,T] scores and the
-  gather of the k selected rows), and the new row is written by the shard that owns its slot. The cache itself
+  whose max / sum / weighted latent sum are all-reduced over context; sparse: the indexer scores of its rows, a
+  top-k of the [B,1,T] scores and the gather of the k selected rows), and the new row is written by the shard that
+  owns its slot. The cache itself
   never crosses devices; per layer a decode step moves O(B·(T + k·576 + H·576)) values.
 Pallas kernels run inside shard_map (glmjax/model/backends.py); on a context-split cache only the XLA functions
 decode without gathering it, so attention_impl="pallas" with context > 1 is refused.

@@ -92,7 +92,7 @@ class MLA(nnx.Module):
         if ctx.mode not in ("dense", "sparse"):
             raise ValueError(f"attention mode {ctx.mode!r}: must be 'dense' or 'sparse'")
         p = self.project(x, ctx)
-        latent = jnp.concatenate([p.c_kv, p.k_pe], axis=-1)  # [B,S,576]: the MLA cache row of each token (docs/model.md D.1)
+        latent = jnp.concatenate([p.c_kv, p.k_pe], axis=-1)  # [B,S,576]: each token's cache row (docs/model.md D.1)
         if cache is not None:
             cache = dict(cache, latent=write_new_rows(ctx, cache["latent"], latent))
             latent = cache["latent"]
@@ -190,15 +190,12 @@ class MLA(nnx.Module):
                                              jnp.arange(groups))
         return acc.astype(dt), jnp.max(max_logit), jnp.moveaxis(lse, 0, 2).reshape(B, S, -1)
 
-    def absorbed_queries(self, p: Projected):
-        return absorb(p.q_nope, p.q_pe, p.w_uk)
-
     def dense_cached(self, p: Projected, ctx: Ctx, latent):
         """Absorbed attention over every visible row of the cache latent [B,T,576] -> o [B,S,H,d_v]
         (`absorbed_attention`; with ctx.layout each context shard's queries against the gathered cache rows)."""
         cfg = self.cfg
         o_lat = local_queries(ctx.layout, absorbed_attention, *ABSORBED)(
-            self.absorbed_queries(p), latent, ctx.segment_ids, ctx.kv_valid, ctx.q_idx, cfg.softmax_scale,
+            absorb(p.q_nope, p.q_pe, p.w_uk), latent, ctx.segment_ids, ctx.kv_valid, ctx.q_idx, cfg.softmax_scale,
             cfg.kv_lora_rank, cfg.block_q)
         return jnp.einsum("bshc,chv->bshv", o_lat, p.w_uv)
 
@@ -223,7 +220,7 @@ class MLA(nnx.Module):
         if chunk is not None:
             out, attn_p = self.sparse_chunked(p, ctx, latent, topk, fns.sparse_mla, chunk, with_p)
         else:
-            q_abs = self.absorbed_queries(p)
+            q_abs = absorb(p.q_nope, p.q_pe, p.w_uk)
             o_lat, lse = on_context(fns.sparse_mla, *context.SPARSE_MLA)(
                 q_abs, latent, topk, scale=cfg.softmax_scale, kv_lora_rank=cfg.kv_lora_rank, block_q=cfg.block_q)
             out = self.output(jnp.einsum("bshc,chv->bshv", o_lat, p.w_uv))

@@ -9,13 +9,14 @@ Mesh axes (see `glmjax/parallel/mesh.py`):
   context the sequence of every activation split (context parallelism): each shard holds S / context tokens of
           every row (in the model's zig-zag layout: chunks i and 2N-1-i of 2N, equal causal work); every
           sequence-blocked function runs with the shard's queries and all-gathers the keys it needs (MLA latent
-          rows, indexer keys, per-head K/V; `glmjax/model/context.py`). Parameters and optimizer state are split over it like over
-          fsdp ("embed", "q_lora", "kv_lora"): context ranks, like fsdp ranks, see different tokens, so the
-          gradients must be reduced over the axis anyway (a reduce-scatter instead of an all-reduce: no extra
-          traffic) and the weights are already all-gathered layer by layer for FSDP (the gather group just grows);
-          replicated, parameters + optimizer state would take `context` times the memory per chip, at the long
-          sequences where activations already fill it. The routed experts are split over it along "experts"
-          instead (expert parallelism over context, before the expert axis): their tokens travel, not their weights
+          rows, indexer keys, per-head K/V; `glmjax/model/context.py`). Parameters and optimizer state are split
+          over it like over fsdp ("embed", "q_lora", "kv_lora"): context ranks, like fsdp ranks, see different
+          tokens, so the gradients must be reduced over the axis anyway (a reduce-scatter instead of an all-reduce:
+          no extra traffic) and the weights are already all-gathered layer by layer for FSDP (the gather group
+          just grows); replicated, parameters + optimizer state would take `context` times the memory per chip,
+          at the long sequences where activations already fill it. The routed experts are split over it along
+          "experts" instead (expert parallelism over context, before the expert axis): their tokens travel, not
+          their weights
   tensor  Megatron-style: attention heads, MLP / expert hidden and vocabulary split; the batch is *not* split
 
 A dimension takes the mesh axes of its rule, left to right over the array's dimensions, skipping mesh axes that an
