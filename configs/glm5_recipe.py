@@ -32,7 +32,7 @@ def get_config():
                    index_loss_weight=1.0)
     # expert parallelism over context x expert (256 ways: one expert per chip); dropless would size every receive
     # buffer for all of a group's tokens landing on one chip (256 x 5,544 rows x 6144 x 2 B = 17 GB per layer), so a
-    # chip takes at most twice its mean load (docs/model.md B.9; pairs past it contribute zero)
+    # chip takes at most twice its mean load (glmjax/model/moe.py; pairs past it contribute zero)
     c.model.update(attention_impl="pallas", remat="full", moe_capacity_factor=2.0)
     c.parallel = default_parallel_config(data=1, expert=2, context=256)  # v5p:8x8x8, 512 chips (docstring)
     return experiment_fields(
