@@ -64,7 +64,8 @@ def test_moe_forward_matches_naive_per_token_loop(impl):
     moe = MoE(cfg, nnx.Rngs(3))
     moe.e_score_correction_bias[...] = 0.05 * jax.random.normal(jax.random.key(9), (16,))
     y = jax.random.normal(jax.random.key(4), (2, 9, cfg.hidden_size))
-    out, load = moe(y)
+    out, load, dropped = moe(y)
+    assert int(dropped) == 0  # one device: nothing to drop
 
     x = np.asarray(y, np.float64).reshape(-1, cfg.hidden_size)
     gate = np.asarray(moe.gate[...], np.float64)

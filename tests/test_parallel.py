@@ -279,8 +279,8 @@ def moe_grads(moe_cfg, state, y, mesh=None):
     graphdef = nnx.graphdef(MoE(moe_cfg, nnx.Rngs(0)))
 
     def f(st, y):
-        out, load = nnx.merge(graphdef, st)(y)
-        return jnp.sum(jnp.sin(out) * jnp.arange(out.shape[-1])), (out, load)
+        out, load, dropped = nnx.merge(graphdef, st)(y)
+        return jnp.sum(jnp.sin(out) * jnp.arange(out.shape[-1])), (out, load, dropped)
 
     fn = jax.value_and_grad(f, has_aux=True)
     if mesh is None:
@@ -305,10 +305,11 @@ def test_sharded_moe_equals_single_device(name, dispatch, monkeypatch):
     monkeypatch.setattr(moe_mod, "ragged_all_to_all", emulated_ragged_all_to_all)
     cfg, state = moe_setup(moe_dispatch=dispatch)
     y = jax.random.normal(jax.random.key(4), (8, 6, cfg.hidden_size))
-    (l0, (o0, load0)), g0 = moe_grads(cfg, state, y)
-    (l1, (o1, load1)), g1 = moe_grads(cfg, state, y, par.make_mesh(MESHES[name]))
+    (l0, (o0, load0, _)), g0 = moe_grads(cfg, state, y)
+    (l1, (o1, load1, dropped)), g1 = moe_grads(cfg, state, y, par.make_mesh(MESHES[name]))
     np.testing.assert_allclose(o1, o0, rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(load1, load0)
+    assert int(dropped) == 0  # dropless
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * np.abs(b).max())
 
@@ -316,9 +317,9 @@ def test_sharded_moe_equals_single_device(name, dispatch, monkeypatch):
 def test_sharded_moe_pads_a_token_count_the_mesh_does_not_divide():
     cfg, state = moe_setup()
     y = jax.random.normal(jax.random.key(5), (1, 3, cfg.hidden_size))  # 3 tokens on 8 token shards (decoding)
-    (_, (o0, load0)), _ = moe_grads(cfg, state, y)
+    (_, (o0, load0, _)), _ = moe_grads(cfg, state, y)
     mesh = par.make_mesh(MESHES["expert4_data2"])
-    (_, (o1, load1)), _ = moe_grads(cfg, state, y, mesh)
+    (_, (o1, load1, _)), _ = moe_grads(cfg, state, y, mesh)
     np.testing.assert_allclose(o1, o0, rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(load1, load0)  # the padding rows are not counted
 
@@ -348,8 +349,8 @@ def test_moe_tokens_flatten_without_moving_data_when_the_sequence_is_split(monke
     for dispatch in ("all_to_all", "ragged_all_to_all"):
         cfg, state = moe_setup(moe_dispatch=dispatch)
         y = jax.random.normal(jax.random.key(7), (8, 8, cfg.hidden_size))
-        (l0, (o0, load0)), g0 = moe_grads(cfg, state, y)
-        (l1, (o1, load1)), g1 = moe_grads(cfg, state, y, mesh)
+        (l0, (o0, load0, _)), g0 = moe_grads(cfg, state, y)
+        (l1, (o1, load1, _)), g1 = moe_grads(cfg, state, y, mesh)
         np.testing.assert_allclose(o1, o0, rtol=1e-5, atol=1e-6)
         np.testing.assert_array_equal(load1, load0)
         for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
@@ -398,14 +399,16 @@ def test_capacity_factor_drops_exactly_the_rows_past_capacity(dispatch, monkeypa
     cfg, state = moe_setup(moe_dispatch=dispatch, moe_capacity_factor=0.5)
     mesh = par.make_mesh(MESHES["expert4_data2"])
     y = jax.random.normal(jax.random.key(6), (8, 4, cfg.hidden_size))
-    (_, (out, _)), _ = moe_grads(cfg, state, y, mesh)
+    (_, (out, _, reported)), _ = moe_grads(cfg, state, y, mesh)
     n, K, ep = 4, cfg.num_experts_per_tok, 4  # 32 tokens over 8 shards; experts over 4
     cap = math.ceil(0.5 * n * K / ep)
     ref, dropped = capacity_reference(cfg, state, y, 8, ep, cap, dispatch)
     assert dropped > 0  # the capacity really binds ...
     np.testing.assert_allclose(np.asarray(out).reshape(ref.shape), ref, rtol=1e-4, atol=1e-5)
-    (_, (dropless, _)), _ = moe_grads(cfg.replace(moe_capacity_factor=0.0), state, y, mesh)
+    assert int(reported) == dropped  # the MoE reports the global count of dropped (token, slot) pairs
+    (_, (dropless, _, none)), _ = moe_grads(cfg.replace(moe_capacity_factor=0.0), state, y, mesh)
     assert not np.allclose(np.asarray(dropless), np.asarray(out), atol=1e-3)  # ... and changes the output
+    assert int(none) == 0
 
 
 def test_blocked_grouped_matmul_gives_zero_rows_past_the_group_total():

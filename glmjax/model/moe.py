@@ -22,7 +22,8 @@ its group owning their experts, those run their local experts and send the resul
             the last sources past a destination's EP * cap).
 
 Dropless results equal the single-device MoE up to float summation order (the "tensor" psum). The expert load is
-the global one on any mesh: per-shard counts summed over the token axes (padding rows removed).
+the global one on any mesh: per-shard counts summed over the token axes (padding rows removed); so is the number of
+(token, slot) pairs the capacity dropped (0 when dropless), which the trainer logs as a fraction (`moe_dropped`).
 """
 from __future__ import annotations
 
@@ -97,7 +98,8 @@ class MoE(nnx.Module):
         self.shared_experts = MLP(cfg, I * cfg.n_shared_experts, rngs) if cfg.n_shared_experts else None
 
     def __call__(self, y):
-        """y [B,S,D] -> (out [B,S,D], expert load [E] = number of (token, slot) assignments per expert)."""
+        """y [B,S,D] -> (out [B,S,D], expert load [E] = number of (token, slot) assignments per expert, number of
+        those assignments the capacity dropped (int32 scalar))."""
         cfg = self.cfg
         B, S, D = y.shape
         mesh = jax.sharding.get_abstract_mesh()
@@ -105,12 +107,12 @@ class MoE(nnx.Module):
         logits = jnp.einsum("nd,de->ne", x.astype(f32), self.gate[...].astype(f32))
         weights, ids = route(cfg, logits, self.e_score_correction_bias[...])
         if mesh.empty or mesh.size == 1:
-            out, load = self.experts(x, ids, weights)
+            (out, load), dropped = self.experts(x, ids, weights), jnp.zeros((), jnp.int32)
         else:
-            out, load = self.sharded_experts(x, ids, weights, mesh)
+            out, load, dropped = self.sharded_experts(x, ids, weights, mesh)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x).astype(f32)
-        return unflatten(out.astype(y.dtype)), load
+        return unflatten(out.astype(y.dtype)), load, dropped
 
     def expert_weights(self):
         dt = dtype_of(self.cfg.dtype)
@@ -141,6 +143,7 @@ class MoE(nnx.Module):
                              f"tokens {tok_axes}")
         shards = math.prod(mesh.shape[a] for a in tok_axes)
         pad = -N % shards  # e.g. decoding one token on many devices: pad rows, weight 0, distinct experts 0..K-1
+        real = jnp.arange(N + pad) < N  # rows that are tokens (a dropped padding pair is not counted)
         if pad:
             x = jnp.pad(x, ((0, pad), (0, 0)))
             ids = jnp.concatenate([ids, jnp.broadcast_to(jnp.arange(K, dtype=ids.dtype), (pad, K))])
@@ -151,29 +154,30 @@ class MoE(nnx.Module):
         if dispatch == "auto":
             dispatch = "ragged_all_to_all" if platform(mesh) == "tpu" else "all_to_all"
 
-        def body(x, ids, w, wg, wu, wd):
+        def body(x, ids, w, real, wg, wu, wd):
             if d_axes:  # FSDP: gather the model width of this shard's experts (the backward reduce-scatters)
                 wg, wu = (jax.lax.all_gather(a, d_axes, axis=1, tiled=True) for a in (wg, wu))
                 wd = jax.lax.all_gather(wd, d_axes, axis=2, tiled=True)
             order, sorted_ids = sort_pairs(ids)
             load = jax.lax.psum(sorted_counts(sorted_ids, E), tok_axes)  # the global load
             if EP == 1:
-                ys = local_experts(cfg, x, order, sorted_ids, (wg, wu, wd))
+                ys, dropped = local_experts(cfg, x, order, sorted_ids, (wg, wu, wd)), jnp.zeros((), jnp.int32)
             else:
                 n = x.shape[0]
                 cap = n * min(K, wg.shape[0]) if not cfg.moe_capacity_factor else \
                     max(1, math.ceil(cfg.moe_capacity_factor * n * K / EP))
                 route_fn = ragged_all_to_all_experts if dispatch == "ragged_all_to_all" else all_to_all_experts
-                ys = route_fn(cfg, x, order, sorted_ids, (wg, wu, wd), ep, EP, cap)
+                ys, kept = route_fn(cfg, x, order, sorted_ids, (wg, wu, wd), ep, EP, cap)
+                dropped = jax.lax.psum(jnp.sum(~kept & real[order // K], dtype=jnp.int32), tok_axes)
             out = combine(ys, w)
-            return (jax.lax.psum(out, i_axes) if i_axes else out), load  # expert hidden split: partial sums
+            return (jax.lax.psum(out, i_axes) if i_axes else out), load, dropped  # expert hidden split: partial sums
 
-        tok = jax.sharding.PartitionSpec(tok_axes)
-        out, load = jax.shard_map(body, in_specs=(tok, tok, tok, in_spec, in_spec, out_spec),
-                                  out_specs=(tok, jax.sharding.PartitionSpec()))(x, ids, weights, wg, wu, wd)
+        tok, whole = jax.sharding.PartitionSpec(tok_axes), jax.sharding.PartitionSpec()
+        out, load, dropped = jax.shard_map(body, in_specs=(tok, tok, tok, tok, in_spec, in_spec, out_spec),
+                                           out_specs=(tok, whole, whole))(x, ids, weights, real, wg, wu, wd)
         if pad:
             load = load - pad * (jnp.arange(E) < K).astype(load.dtype)
-        return out[:N], load
+        return out[:N], load, dropped
 
 
 def flatten_tokens(y, mesh):
@@ -276,8 +280,8 @@ def _run_received(cfg, rows, local_ids, w):
 
 def all_to_all_experts(cfg, x, order, sorted_ids, w, axis, EP, cap):
     """Expert parallelism with fixed slots: x [n,D], the n*K (token, slot) pairs sorted by (global) expert,
-    w = this shard's experts (gate, up, down) [E/EP, ...] -> outputs [n*K, D] in (token, slot) order (zeros for
-    pairs past the capacity)."""
+    w = this shard's experts (gate, up, down) [E/EP, ...] -> (outputs [n*K, D] in (token, slot) order (zeros for
+    pairs past the capacity), which sorted pairs were kept [n*K] bool)."""
     M, D = order.shape[0], x.shape[-1]
     K, E_local = M // x.shape[0], w[0].shape[0]
     dest = sorted_ids // E_local  # ascending
@@ -291,12 +295,12 @@ def all_to_all_experts(cfg, x, order, sorted_ids, w, axis, EP, cap):
     recv_ids = jax.lax.all_to_all(send_ids, axis, 0, 0, tiled=True)
     back = jax.lax.all_to_all(_run_received(cfg, recv, recv_ids, w), axis, 0, 0, tiled=True)
     ys_sorted = back.at[slot].get(mode="fill", fill_value=0)
-    return jnp.zeros_like(ys_sorted).at[order].set(ys_sorted)
+    return jnp.zeros_like(ys_sorted).at[order].set(ys_sorted), rank < cap
 
 
 def ragged_all_to_all_experts(cfg, x, order, sorted_ids, w, axis, EP, cap):
     """`all_to_all_experts` with rows packed per destination (`lax.ragged_all_to_all`): each shard receives into
-    EP * cap rows, source after source; rows past that are dropped (none when dropless)."""
+    EP * cap rows, source after source; rows past that are dropped (none when dropless). Same results."""
     M, D = order.shape[0], x.shape[-1]
     K, E_local = M // x.shape[0], w[0].shape[0]
     R = EP * cap
@@ -315,7 +319,9 @@ def ragged_all_to_all_experts(cfg, x, order, sorted_ids, w, axis, EP, cap):
     src_off = (jnp.cumsum(S, axis=1) - S)[:, me].astype(jnp.int32)  # where my rows sit in each source's buffer
     ys_sorted = ragged_all_to_all(_run_received(cfg, rows, local_ids, w), jnp.zeros((M, D), xs.dtype),
                                   recv_off, recv, src_off, send, axis_name=axis)
-    return jnp.zeros_like(ys_sorted).at[order].set(ys_sorted)
+    dest = sorted_ids // E_local
+    rank = jnp.arange(M) - in_off[dest]  # position among my rows for `dest`: the first send[dest] of them fit
+    return jnp.zeros_like(ys_sorted).at[order].set(ys_sorted), rank < send[dest]
 
 
 ragged_all_to_all = jax.lax.ragged_all_to_all  # module attribute: tests swap in an all_gather emulation on CPU

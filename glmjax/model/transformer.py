@@ -31,15 +31,18 @@ class Aux(NamedTuple):
     leading layer axis in layer order (`stack_aux`, `concat_aux`); None where no layer produces it."""
     max_logit: jax.Array | None = None  # [L] largest attention logit per layer, no gradient (dense training)
     expert_load: jax.Array | None = None  # [L_moe, E] tokens routed to each expert, MoE layers
+    expert_dropped: jax.Array | None = None  # [L_moe] (token, slot) pairs the capacity dropped, MoE layers
     index_kl_sum: jax.Array | None = None  # [indexers] with index_loss: sum over queries of the indexer KL
     index_kl_tokens: jax.Array | None = None  # [indexers] with index_loss: the queries counted
     attn_topk: jax.Array | None = None  # [L,B,S,k] with topk_stats (dense): top-k keys of the head-mean attention
     index_topk: jax.Array | None = None  # [full layers,B,S,k] with topk_stats (dense): the indexers' top-k
 
 
-def layer_aux(stats: AttnStats, expert_load, index_kl_sum=None, index_kl_tokens=None) -> Aux:
-    """One layer's entries (no layer axis); the indexer KL, when given, is that of the unit it leads."""
-    return Aux(stats.max_logit, expert_load, index_kl_sum, index_kl_tokens, stats.attn_topk, stats.index_topk)
+def layer_aux(stats: AttnStats, moe, index_kl_sum=None, index_kl_tokens=None) -> Aux:
+    """One layer's entries (no layer axis); moe: (expert load, dropped pairs) of a MoE layer, else None; the indexer
+    KL, when given, is that of the unit it leads."""
+    load, dropped = moe if moe is not None else (None, None)
+    return Aux(stats.max_logit, load, dropped, index_kl_sum, index_kl_tokens, stats.attn_topk, stats.index_topk)
 
 
 def stack_aux(auxs: list[Aux]) -> Aux:
@@ -67,16 +70,16 @@ class DecoderLayer(nnx.Module):
         self.mlp = MoE(cfg, rngs) if moe else MLP(cfg, cfg.intermediate_size, rngs)
 
     def __call__(self, h, topk, ctx: Ctx, cache=None):
-        """h [B,S,D], topk [B,S,k'], cache (see MLA) -> (h, topk, AttnStats, expert load [E] on MoE layers (else
-        None), cache)."""
+        """h [B,S,D], topk [B,S,k'], cache (see MLA) -> (h, topk, AttnStats, (expert load [E], dropped pairs) on MoE
+        layers (else None), cache)."""
         a, topk, stats, cache = self.self_attn(self.input_layernorm(h), ctx, topk, cache)
         h = h + a
         y = self.post_attention_layernorm(h)
         if isinstance(self.mlp, MoE):
-            m, load = self.mlp(y)
+            m, *moe = self.mlp(y)
         else:
-            m, load = self.mlp(y), None
-        return h + m, topk, stats, load, cache
+            m, moe = self.mlp(y), None
+        return h + m, topk, stats, moe, cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,14 +122,14 @@ class Unit(nnx.Module):
 
     def __call__(self, h, topk, ctx: Ctx, caches=None):
         """-> h, topk, Aux stacked over the unit's layers, caches (list per layer)."""
-        stats, loads, new_caches = [], [], []
+        stats, moes, new_caches = [], [], []
         for j, layer in enumerate(self.layers):
-            h, topk, st, load, c = layer(h, topk, ctx, None if caches is None else caches[j])
+            h, topk, st, moe, c = layer(h, topk, ctx, None if caches is None else caches[j])
             stats.append(st)
-            loads.append(load)
+            moes.append(moe)
             new_caches.append(c)
         kl = unit_index_loss(stats, ctx) if ctx.index_loss else ()
-        auxs = [layer_aux(st, load, *(kl if j == 0 else ())) for j, (st, load) in enumerate(zip(stats, loads))]
+        auxs = [layer_aux(st, moe, *(kl if j == 0 else ())) for j, (st, moe) in enumerate(zip(stats, moes))]
         return h, topk, stack_aux(auxs), (None if caches is None else new_caches)
 
 
@@ -207,9 +210,9 @@ class MTP(nnx.Module):
         u = jnp.concatenate([self.enorm(emb), self.hnorm(h_prev)], axis=-1)  # embedding first, hidden second
         u = dense(u, self.eh_proj[...], "bsd,de->bse", dtype)
         topk0 = jnp.full(u.shape[:2] + (0,), -1, jnp.int32)
-        h, _, stats, load, _ = self.layer(u, topk0, ctx)
+        h, _, stats, moe, _ = self.layer(u, topk0, ctx)
         kl = unit_index_loss([stats], ctx) if ctx.index_loss else ()
-        return self.shared_head_norm(h), layer_aux(stats, load, *kl)
+        return self.shared_head_norm(h), layer_aux(stats, moe, *kl)
 
 
 class Batch(NamedTuple):
@@ -303,6 +306,7 @@ class GLM(nnx.Module):
         metrics["loss"] = loss
         if aux.expert_load is not None:
             metrics["expert_load"] = aux.expert_load  # [L_moe (+ mtp_depth), E], layer order, MTP depths last
+            metrics["moe_dropped"] = jnp.sum(aux.expert_dropped) / jnp.maximum(jnp.sum(aux.expert_load), 1)
         return loss, metrics
 
     def mtp_losses(self, batch: Batch, h, mode: str, index_loss: bool = False):
