@@ -5,7 +5,8 @@ As a script it is one process of a multi-process run (tests/test_multihost.py st
 It trains STEPS_BEFORE steps with the trainer's sharded step, checkpoints with orbax from every process, restores into
 fresh arrays, checks them, trains STEPS_AFTER more steps and (process 0) writes the per-step losses as JSON; then it
 runs the MULTIHOST_GROUPS stages' loss and gradients with context parallelism on CONTEXT_MESH, whose context shards
-lie on both processes, and (process 0) writes them next to the JSON (`context_npz`).
+lie on both processes, and (process 0) writes them next to the JSON (`context_npz`); then decodes on that mesh
+(`decode_npz`).
 """
 import json
 import os
@@ -260,12 +261,23 @@ def worker(process_id: int, num_processes: int, port: int, ckpt_dir: str, out_js
     flat = [np.asarray(multihost_utils.process_allgather(x, tiled=True)) for x in jax.tree.leaves(out)]
     if process_id == 0:
         np.savez(context_npz(out_json), *flat)
+
+    # decoding on that mesh: the caches split over context across the processes (tests/test_decode_sharded.py)
+    from test_decode_sharded import decode_run
+    logits, tokens, logprobs = decode_run(cmesh)
+    if process_id == 0:
+        np.savez(decode_npz(out_json), logits=logits, tokens=tokens, logprobs=logprobs)
     jax.distributed.shutdown()
 
 
 def context_npz(out_json: str) -> str:
     """Where the workers' context-parallel results go (process 0 writes them: all_stages' leaves, in order)."""
     return os.path.splitext(out_json)[0] + "_context.npz"
+
+
+def decode_npz(out_json: str) -> str:
+    """Where process 0 writes the decoder's results on the context mesh (logits, tokens, logprobs)."""
+    return os.path.splitext(out_json)[0] + "_decode.npz"
 
 
 if __name__ == "__main__":

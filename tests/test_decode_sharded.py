@@ -30,14 +30,22 @@ def small_cfg(**kw):
                 num_nextn_predict_layers=0, **kw)
 
 
+def make_model():
+    return GLM(small_cfg(), nnx.Rngs(3))
+
+
+def make_seqs(vocab: int):
+    return np.random.default_rng(0).integers(0, vocab, (2, T)).astype(np.int32)
+
+
 @pytest.fixture(scope="module")
 def model():
-    return GLM(small_cfg(), nnx.Rngs(3))
+    return make_model()
 
 
 @pytest.fixture(scope="module")
 def seqs(model):
-    return np.random.default_rng(0).integers(0, model.cfg.vocab_size, (2, T)).astype(np.int32)
+    return make_seqs(model.cfg.vocab_size)
 
 
 def run(dec: Decoder, seqs):
@@ -57,6 +65,15 @@ def run(dec: Decoder, seqs):
         cur += 1
     gen = generate(dec, [list(seqs[b, :n]) for b, n in enumerate(LENGTHS)], NEW, key=jax.random.key(0), max_len=T)
     return np.stack(out), caches, (gen.tokens, gen.logprobs)
+
+
+def decode_run(mesh=None, mode: str = "sparse"):
+    """run() of the sparse Decoder of make_model() on `mesh` (None: one device) -> (logits, tokens, logprobs),
+    numpy (tests/test_multihost.py runs it on a mesh across two processes)."""
+    model = make_model()
+    logits, _, (tokens, logprobs) = run(Decoder(model, mode, mesh=mesh, compiler_options=FAST),
+                                        make_seqs(model.cfg.vocab_size))
+    return logits, np.asarray(tokens), np.asarray(logprobs)
 
 
 @pytest.fixture(scope="module")

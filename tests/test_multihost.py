@@ -1,7 +1,9 @@
 """Two processes x 4 CPU devices on 127.0.0.1 (gloo collectives): sharded, expert-parallel training, an orbax
 checkpoint written and restored by both processes, and the same losses as one process on one device; context
 parallelism with the sequence split across the processes (context=4 x tensor=2): the sparse stages' (sparse_adapt,
-indexshare) loss and gradients equal one device's (every stage on 8 devices in one process: test_context_parallel)."""
+indexshare) loss and gradients equal one device's (every stage on 8 devices in one process: test_context_parallel),
+and so do the Decoder's logits and greedy tokens on that mesh, its caches split over context across the processes
+(one process: test_decode_sharded)."""
 import json
 import os
 import socket
@@ -13,7 +15,8 @@ import numpy as np
 import pytest
 
 from sharded_training import (MULTIHOST_GROUPS, STEPS_AFTER, STEPS_BEFORE, assert_equal_to_reference, context_npz,
-                              context_reference, reference_losses)
+                              context_reference, decode_npz, reference_losses)
+from test_decode_sharded import assert_close, decode_run
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -53,3 +56,9 @@ def test_two_processes_train_checkpoint_restore_and_match_single_process(tmp_pat
     with np.load(context_npz(out)) as f:
         leaves = [f[f"arr_{i}"] for i in range(len(f.files))]
     assert_equal_to_reference(jax.tree.unflatten(jax.tree.structure(want), leaves), want)
+
+    logits, tokens, logprobs = decode_run()  # one device
+    with np.load(decode_npz(out)) as f:
+        assert_close(f["logits"], logits)  # prefill, extend and decode steps, the caches split across processes
+        np.testing.assert_array_equal(f["tokens"], tokens)  # greedy generate
+        np.testing.assert_allclose(f["logprobs"], logprobs, rtol=1e-5, atol=1e-6)
