@@ -11,7 +11,9 @@ cost analysis counts a while-loop body once. The counts -- FLOPs and HBM bytes (
 the collectives (from the HLO) -- come from "estimate builds" whose every loop runs one trip
 (layers unrolled, one loss chunk, one attention query block, MTP for one depth): for <= 8 layers the whole
 model, otherwise the dense layers + 1 MoE layer and + 2 MoE layers, extrapolated linearly to all MoE layers;
-MTP depths are added the same way. Model FLOPs (for MFU) come from `glmjax.flops` (causal=False: what the XLA
+MTP depths are added the same way. The Pallas kernels of pallas_kernels/ count with the cost they declare
+(`pl.CostEstimate`); JAX's splash attention declares none, so a dense step on TPU (splash, `dense_attention_impl`
+"auto") leaves its attention out of the counts (the log says how many kernels are uncounted). Model FLOPs (for MFU) come from `glmjax.flops` (causal=False: what the XLA
 code computes). Step time is a roofline of the counts with the chip's public peaks (`glmjax.train.aot.roofline`,
 glmjax/hardware.py): between max(compute, HBM, ICI) (all overlapped) and their sum (none); the compiler's own
 "optimal_seconds" is printed but not used (it goes negative for these programs). The every-parameter-trains sparse
@@ -98,7 +100,7 @@ def estimate(cfg: ModelConfig, optim, mesh, args, log) -> dict:
             log(f"  estimate build {key}: {layers} layers{' + MTP' if mtp else ''} (moe_impl blocked): "
                 f"compiled in {secs:.0f} s, {got[key]['flops']:.4g} FLOP, {got[key]['bytes']:.4g} HBM bytes, "
                 f"{got[key]['comm_bytes']:.4g} ICI bytes, loops left {got[key]['loops']}, "
-                f"{got[key]['custom_calls']} kernels (no cost counted)")
+                f"{got[key]['custom_calls']} kernels ({got[key]['uncounted']} without a cost estimate: not counted)")
     out = {}
     for k in ("flops", "bytes", "comm_bytes", "optimal_seconds"):
         v = got["a"][k]
@@ -108,6 +110,7 @@ def estimate(cfg: ModelConfig, optim, mesh, args, log) -> dict:
             v += depth * (got["m"][k] - got["a"][k])
         out[k] = v
     out["loops_left"] = max(g["loops"] for g in got.values())
+    out["uncounted_kernels"] = max(g["uncounted"] for g in got.values())
     return out
 
 

@@ -82,6 +82,8 @@ def test_dense_stage_compiles_for_v5p_with_the_splash_kernel_on_a_sharded_mesh(d
     result, compiled = dry_run.compile_stage(c, "pretrain", devices)
     assert result["mode"] == "dense" and result["mesh"]["tensor"] == 2
     assert compiled.as_text().count("tpu_custom_call") >= 3  # splash forward, dq, dkv
+    c = aot.cost(compiled)
+    assert c["uncounted"] == c["custom_calls"] >= 3  # splash declares no cost estimate: its FLOPs are not counted
 
 
 @pytest.mark.parametrize("flags, message", [
