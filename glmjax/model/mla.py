@@ -291,9 +291,14 @@ SPARSE_CHUNK_ROWS = 2 ** 18  # S·H up to which sparse training attention takes 
 
 def sparse_chunk(S: int, H: int) -> int | None:
     """Queries per rematerialised chunk of sparse training attention (`MLA.sparse_chunked`): None (the whole
-    sequence at once) while S·H <= SPARSE_CHUNK_ROWS, else SPARSE_CHUNK_ROWS // H. GLM-5 (H 64): chunks of 4096
-    queries past S = 4096; the tiny recipe (H 4) is never chunked up to S = 65,536."""
-    return None if S * H <= SPARSE_CHUNK_ROWS else max(1, SPARSE_CHUNK_ROWS // H)
+    sequence at once) while S·H <= SPARSE_CHUNK_ROWS, else c = SPARSE_CHUNK_ROWS // H, or the largest divisor of S
+    in [c/2, c] if there is one: whole chunks only, so `map_chunks` needs no remainder call, whose concatenation
+    copies the [B,S,D] output (2.3 GiB more at GLM-5's 202,752 with c = 4096; it takes 3168). GLM-5 (H 64): chunks
+    of 2048-4096 queries past S = 4096; the tiny recipe (H 4) is never chunked up to S = 65,536."""
+    if S * H <= SPARSE_CHUNK_ROWS:
+        return None
+    c = max(1, SPARSE_CHUNK_ROWS // H)
+    return next((d for d in range(c, (c + 1) // 2 - 1, -1) if S % d == 0), c)
 
 
 def map_chunks(fn, per_query, shared, chunk: int):
