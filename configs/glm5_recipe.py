@@ -17,7 +17,8 @@ shard the model width (6144 = 2^11 x 3) 7 ways, so: expert=2 (7 sequences per ex
 `context` (parameters FSDP-sharded over it too, the routed experts split over it: one per chip,
 glmjax/parallel/rules.py); tensor=1 (the residual stream is not split over tensor, so every tensor rank would hold
 all its tokens' activations). Fits 512 chips (docs/benchmarks.md): dense_warmup 32.5 GiB, sparse_adapt 62.7 GiB
-per chip of v5p's 95.
+per chip of v5p's 95; indexshare at GLM-5.2's 1,048,576 tokens (batch 2: --config.train.seq_len=1048576
+--config.model.max_position_embeddings=1048576 --config.train.batch_size=2) 86.9 GiB.
 """
 from configs import glm5
 from glmjax.parallel import default_parallel_config
