@@ -68,8 +68,8 @@ def run(dec: Decoder, seqs):
 
 
 def decode_run(mesh=None, mode: str = "sparse"):
-    """run() of the sparse Decoder of make_model() on `mesh` (None: one device) -> (logits, tokens, logprobs),
-    numpy (tests/test_multihost.py runs it on a mesh across two processes)."""
+    """run() of make_model()'s Decoder in `mode` on `mesh` (None: one device) -> (logits, tokens, logprobs), numpy
+    (tests/test_multihost.py runs it on a mesh across two processes)."""
     model = make_model()
     logits, _, (tokens, logprobs) = run(Decoder(model, mode, mesh=mesh, compiler_options=FAST),
                                         make_seqs(model.cfg.vocab_size))
