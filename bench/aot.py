@@ -14,10 +14,11 @@ model, otherwise the dense layers + 1 MoE layer and + 2 MoE layers, extrapolated
 MTP depths are added the same way. The Pallas kernels of pallas_kernels/ count with the cost they declare
 (`pl.CostEstimate`); JAX's splash attention declares none, so a dense step on TPU (splash, `dense_attention_impl`
 "auto") leaves its attention out of the counts (the log says how many kernels are uncounted). Model FLOPs (for
-MFU) come from `glmjax.flops` (causal=False: what the XLA code computes). Step time is a roofline of the counts with the chip's public peaks (`glmjax.train.aot.roofline`,
-glmjax/hardware.py): between max(compute, HBM, ICI) (all overlapped) and their sum (none); the compiler's own
-"optimal_seconds" is printed but not used (it goes negative for these programs). The every-parameter-trains sparse
-step is the sparse-adaptation stage (LM + MTP + indexer KL).
+MFU) come from `glmjax.flops` (causal=False: what the XLA code computes). Step time is a roofline of the counts
+with the chip's public peaks (`glmjax.train.aot.roofline`, glmjax/hardware.py): between max(compute, HBM, ICI)
+(all overlapped) and their sum (none); the compiler's own "optimal_seconds" is printed but not used (it goes
+negative for these programs). The every-parameter-trains sparse step is the sparse-adaptation stage (LM + MTP +
+indexer KL).
 """
 from __future__ import annotations
 
