@@ -2,7 +2,8 @@
 on context=2 x fsdp=2 x tensor=2 equal the one-device Decoder (f32, <= 1e-5 relative; tokens identical), in dense
 and sparse mode, for a batch of prompts of different lengths (13 and 21 tokens: 21 > index_topk 8, padded to 24
 for the zig-zag layout) extended by a chunk of 3 (padded to 4 or 8); the caches are split over context (each
-device holds T / context slots) and a decode step moves no cache rows between devices (its compiled collectives).
+device holds T / context slots) and a decode step moves no cache rows between devices (its compiled collectives);
+the same with the Pallas kernels (sparse, context=4 x expert=2).
 """
 import re
 
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import pallas_kernels
 from glmjax import parallel as par
 from glmjax.infer import Decoder, forward_cached, generate
 from glmjax.model import GLM, mla
@@ -119,15 +121,35 @@ def test_decoder_on_mesh_equals_one_device(name, mode, model, seqs, reference, m
     for leaf in jax.tree.leaves(caches):  # [n_units, B, T, C]: T split over context, B over the batch axes
         assert leaf.sharding.spec[2] == "context", leaf.sharding
         assert {s.data.shape[2] for s in leaf.addressable_shards} == {T // n}
-    # a decode step keeps the cache where it is: no collective carries T slots (or T padded to whole key blocks)
-    # of more than a few values per slot (the [B,T] index scores of the top-k may cross; the [B,T,48] latent or
-    # [B,T,32] indexer-key cache may not)
-    hlo = dec.decode.lower(dec.state, jnp.zeros(2, jnp.int32), jnp.asarray(LENGTHS), caches).compile().as_text()
-    slots = {T, -(-T // model.cfg.block_q) * model.cfg.block_q}
-    moved = [s for s in collective_shapes(hlo) if any(d in slots and np.prod(s) // d >= 16 for d in s)]
-    assert not moved, moved
+    assert_keeps_cache(dec, caches)
     if mode == "sparse":  # negative control: sparse attention drops keys here (dense decode logits differ)
         assert np.abs(want_logits[1:] - reference["dense"][0][1:]).max() > 1e-3
+
+
+def assert_keeps_cache(dec: Decoder, caches):
+    """A decode step keeps the cache where it is: no collective carries T slots (or T padded to whole key blocks)
+    of more than a few values per slot (the [B,T] index scores of the top-k may cross; the [B,T,48] latent or
+    [B,T,32] indexer-key cache may not)."""
+    hlo = dec.decode.lower(dec.state, jnp.zeros(2, jnp.int32), jnp.asarray(LENGTHS), caches).compile().as_text()
+    slots = {T, -(-T // dec.model.cfg.block_q) * dec.model.cfg.block_q}
+    moved = [s for s in collective_shapes(hlo) if any(d in slots and np.prod(s) // d >= 16 for d in s)]
+    assert not moved, moved
+
+
+def test_pallas_decoder_on_mesh_equals_one_device(seqs, reference, monkeypatch):
+    """attention_impl="pallas" on context=4 x expert=2 (the kernels interpreted, "fast"): a decode step runs the
+    indexer top-k on each shard's slots and merges the candidates, and the sparse attention on each shard's
+    selected rows, combined by log-sum-exp (glmjax/model/backends.py); it equals one device (the XLA decoder, whose
+    top-k and attention the kernels reproduce) and moves no cache rows."""
+    monkeypatch.setenv(pallas_kernels.common.INTERPRET_ENV, "fast")
+    dec = Decoder(GLM(small_cfg(attention_impl="pallas"), nnx.Rngs(3)), "sparse",
+                  mesh=par.make_mesh(MESHES["context4_expert2"]), compiler_options=FAST)
+    logits, caches, (tokens, logprobs) = run(dec, seqs)
+    want_logits, (want_tokens, want_logprobs) = reference["sparse"]
+    assert_close(logits, want_logits)
+    np.testing.assert_array_equal(tokens, want_tokens)
+    np.testing.assert_allclose(logprobs, want_logprobs, rtol=1e-5, atol=1e-6)
+    assert_keeps_cache(dec, caches)
 
 
 def test_decoder_on_mesh_rejects_bad_input(model):
@@ -136,8 +158,6 @@ def test_decoder_on_mesh_rejects_bad_input(model):
     assert dec.cache_multiple == 4
     with pytest.raises(ValueError, match=r"max_len=30: .* 4 context shards .* multiple of 4"):
         dec.init_cache(2, 30)
-    with pytest.raises(ValueError, match=r"model.attention_impl='pallas'.*attention_impl='xla'"):
-        Decoder(GLM(small_cfg(attention_impl="pallas"), nnx.Rngs(0)), "sparse", mesh=mesh)
     caches = jax.eval_shape(lambda: dec.init_cache(1, 40))  # a step of 12 tokens is not split into 8 chunks
     with pytest.raises(ValueError, match=r"sequence length 12: model.context_layout='zigzag' on 4 .* multiple of 8"):
         jax.eval_shape(par.with_mesh(lambda s, t, c: forward_cached(nnx.merge(dec.graphdef, s), t, jnp.zeros(

@@ -23,8 +23,10 @@ has no heads axis, so tensor ranks hold the same rows), and with N = context > 1
   top-k of the [B,1,T] scores and the gather of the k selected rows), and the new row is written by the shard that
   owns its slot. The cache itself
   never crosses devices; per layer a decode step moves O(B·(T + k·576 + H·576)) values.
-Pallas kernels run inside shard_map (glmjax/model/backends.py); on a context-split cache only the XLA functions
-decode without gathering it, so attention_impl="pallas" with context > 1 is refused.
+Pallas kernels run inside shard_map (glmjax/model/backends.py); on a context-split cache each shard runs them over
+its own T/N rows: the indexer top-k per shard, then the exact top-k of the N x k candidates; the sparse attention
+over the selected rows each shard holds, its outputs combined by their log-sum-exps (flash-decoding). Dense decode
+with attention_impl="pallas" is the XLA path above (there is no dense Pallas kernel over an absorbed cache).
 """
 from __future__ import annotations
 
@@ -133,10 +135,6 @@ class Decoder:
         self.model, self.mode, self.mesh = model, mode, mesh
         self.graphdef, self.state = nnx.split(model)
         self.context = 1 if mesh is None else context.context_size(mesh)
-        if self.context > 1 and model.cfg.attention_impl == "pallas":
-            raise ValueError(f"model.attention_impl='pallas' with a Decoder on mesh {dict(mesh.shape)}: the Pallas "
-                             f"kernels would need the whole context-split cache on every chip at each decode step; "
-                             f"use attention_impl='xla' (the same top-k and attention) or context=1")
         wrap = (lambda f: f) if mesh is None else functools.partial(with_mesh, mesh=mesh)
         if mesh is not None:
             self.state = jax.device_put(self.state, state_shardings(self.state, mesh))

@@ -24,9 +24,11 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
 from glmjax.model import context, indexer, sparse_attention
+from glmjax.parallel.rules import logical_spec
 
 
 class Backend(NamedTuple):
@@ -35,9 +37,11 @@ class Backend(NamedTuple):
     gathered_index_logits: Callable  # (q, k, w, indices, block_q) -> index scores at the selected keys [B,S,k']
 
 
-def _on_mesh(kernel, axes, *args, **static):
+def _on_mesh(kernel, axes, *args, split_keys=None, **static):
     """kernel(*args, **static) on the mesh in context: in shard_map (`local_queries`, keys whole), or directly without
-    a mesh, on one device, or inside a region where every mesh axis is already manual."""
+    a mesh, on one device, or inside a region where every mesh axis is already manual. With the context axis still
+    automatic (not inside the model's context-parallel shard_map: decoding against a cache split over context,
+    glmjax/infer/decode.py), `split_keys(kernel, *args, **static)` instead."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return kernel(*args, **static)
@@ -45,20 +49,77 @@ def _on_mesh(kernel, axes, *args, **static):
     kernel = functools.partial(kernel, interpret=interpret)
     if not context.needs_shard_map(mesh):
         return kernel(*args, **static)
+    if context.context_size(mesh) > 1:
+        return split_keys(kernel, *args, **static)
     return context.local_queries(context.Layout("contiguous", 1), kernel, *axes)(*args, **static)
 
 
+def _split_keys(body, queries: tuple, keys: tuple, n_out: int):
+    """shard_map of body(key_axes, offset, *queries, *keys) over the mesh in context: query arguments [B,S,...] split
+    over the batch axes only, key arguments [B,T,...] over the batch axes and, along T, context (the cache's layout,
+    glmjax/infer/decode.py); offset = the first key slot of this shard. Its n_out outputs are split like the queries."""
+    mesh = jax.sharding.get_abstract_mesh()
+    q_specs = [logical_spec(("batch",) + (None,) * (a.ndim - 1), a.shape, mesh) for a in queries]
+    k_specs = [logical_spec(("batch", "sequence") + (None,) * (a.ndim - 2), a.shape, mesh) for a in keys]
+    key_axes = k_specs[0][1]
+    if key_axes is None:
+        raise ValueError(f"keys {keys[0].shape}: T does not split over context {context.context_size(mesh)}")
+
+    def wrapped(*args):
+        offset = jax.lax.axis_index(key_axes) * args[len(queries)].shape[1]
+        return body(key_axes, offset, *args)
+
+    return jax.shard_map(wrapped, in_specs=tuple(q_specs + k_specs), out_specs=(P(q_specs[0][0]),) * n_out,
+                         check_vma=False)(*queries, *keys)
+
+
+def _index_topk_split(kernel, q, k, w, q_seg, k_seg, topk, block_q, q_idx):
+    """Each context shard's top-k over its T/N keys (query slots shifted into its range), then the exact top-k of
+    the N x k' candidates, all-gathered in slot order (equal scores: the lower slot first, as on one device)."""
+    kk = min(topk, k.shape[1])
+
+    def body(axes, off, q, w, q_seg, q_idx, k, k_seg):
+        ids, vals = kernel(q, k, w, q_seg, k_seg, topk, block_q, q_idx - off)
+        ids = jnp.where(ids >= 0, ids + off, -1)
+        ids, vals = (jax.lax.all_gather(a, axes, axis=a.ndim - 1, tiled=True) for a in (ids, vals))
+        vals, pick = jax.lax.top_k(vals, kk)
+        return jnp.take_along_axis(ids, pick, axis=-1), vals
+
+    return _split_keys(body, (q, w, q_seg, q_idx), (k, k_seg), 2)
+
+
+def _sparse_mla_split(kernel, q, kv, indices, **static):
+    """Each context shard attends over the selected rows it holds (flash-decoding): its normalised output and
+    log-sum-exp, combined over context with weights exp(lse_i - max lse)."""
+
+    def body(axes, off, q, indices, kv):
+        local = indices - off
+        mine = (indices >= 0) & (local >= 0) & (local < kv.shape[1])
+        out, lse = kernel(q, kv, jnp.where(mine, local, -1), **static)
+        m = jax.lax.pmax(lse, axes)
+        m = jnp.where(jnp.isfinite(m), m, 0.0)
+        wgt = jnp.exp(lse - m)  # 0 on a shard none of whose rows this query selected
+        den = jax.lax.psum(wgt, axes)
+        num = jax.lax.psum(out.astype(jnp.float32) * wgt[..., None], axes)
+        out = (num / jnp.where(den > 0, den, 1.0)[..., None]).astype(q.dtype)
+        return out, jnp.where(den > 0, m + jnp.log(jnp.where(den > 0, den, 1.0)), -jnp.inf)
+
+    return _split_keys(body, (q, indices), (kv,), 2)
+
+
 def index_topk_on_mesh(q, k, w, q_seg, k_seg, topk: int, block_q: int, q_idx=None):
-    """`pallas_kernels.index_topk` on the mesh in context: each shard scores its queries against all keys."""
+    """`pallas_kernels.index_topk` on the mesh in context: each shard scores its queries against all keys (or, on a
+    cache split over context, its keys, then the top-k of the candidates: `_index_topk_split`)."""
     q_idx = jnp.broadcast_to(jnp.arange(q.shape[1], dtype=jnp.int32) if q_idx is None else q_idx, q.shape[:2])
-    return _on_mesh(pallas_kernels.index_topk, context.INDEX_TOPK, q, k, w, q_seg, k_seg, topk, block_q, q_idx)
+    return _on_mesh(pallas_kernels.index_topk, context.INDEX_TOPK, q, k, w, q_seg, k_seg, topk, block_q, q_idx,
+                    split_keys=_index_topk_split)
 
 
 def sparse_mla_on_mesh(q, kv, indices, *, scale: float, kv_lora_rank: int, block_q: int = 256):
     """`pallas_kernels.sparse_mla` on the mesh in context: each shard attends with its queries and heads over the
-    whole latent (the indices are global key slots)."""
+    whole latent (the indices are global key slots; on a cache split over context: `_sparse_mla_split`)."""
     return _on_mesh(pallas_kernels.sparse_mla, context.SPARSE_MLA, q, kv, indices, scale=scale,
-                    kv_lora_rank=kv_lora_rank, block_q=block_q)
+                    kv_lora_rank=kv_lora_rank, block_q=block_q, split_keys=_sparse_mla_split)
 
 
 XLA = Backend(indexer.index_topk, sparse_attention.sparse_mla_xla, indexer.gathered_index_logits)
