@@ -15,7 +15,10 @@ keys [B,T,d_I] and key segment ids -- enter replicated along context and tensor 
 backward sums their gradients over those axes (the shard_map transpose). Every query gets its global key slot
 (q_idx, sharded like the queries), so each shard selects exactly the keys one device would. Under context
 parallelism the model already calls the backend inside a shard_map (the layout's local queries, keys gathered in
-natural order): there, and without a mesh or on one device, the kernels are called as they are.
+natural order): there, and without a mesh or on one device, the kernels are called as they are. A decode step on a
+mesh with context > 1 (glmjax/infer/decode.py) calls them with the context axis still automatic and the cache split
+over it along T: then each shard runs the kernels on its own slots and the results are merged (`_index_topk_split`,
+`_sparse_mla_split`); the cache never moves.
 """
 from __future__ import annotations
 
