@@ -18,7 +18,8 @@ shard the model width (6144 = 2^11 x 3) 7 ways, so: expert=2 (7 sequences per ex
 glmjax/parallel/rules.py); tensor=1 (the residual stream is not split over tensor, so every tensor rank would hold
 all its tokens' activations). Fits 512 chips (docs/benchmarks.md): dense_warmup 32.5 GiB, sparse_adapt 62.7 GiB
 per chip of v5p's 95; indexshare at GLM-5.2's 1,048,576 tokens (batch 2: --config.train.seq_len=1048576
---config.model.max_position_embeddings=1048576 --config.train.batch_size=2) 86.9 GiB.
+--config.model.max_position_embeddings=1048576 --config.train.batch_size=2) 86.9 GiB; indexshare at this config's
+14 x 202,752 needs 100.4 GiB and does NOT fit 512 chips.
 """
 from configs import glm5
 from glmjax.parallel import default_parallel_config
