@@ -40,7 +40,7 @@ class Backend(NamedTuple):
     gathered_index_logits: Callable  # (q, k, w, indices, block_q) -> index scores at the selected keys [B,S,k']
 
 
-def _on_mesh(kernel, axes, *args, split_keys=None, **static):
+def _on_mesh(kernel, axes, *args, split_keys, **static):
     """kernel(*args, **static) on the mesh in context: in shard_map (`local_queries`, keys whole), or directly without
     a mesh, on one device, or inside a region where every mesh axis is already manual. With the context axis still
     automatic (not inside the model's context-parallel shard_map: decoding against a cache split over context,
