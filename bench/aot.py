@@ -42,7 +42,7 @@ from glmjax import parallel as par  # noqa: E402
 from glmjax.config import ModelConfig  # noqa: E402
 from glmjax.hardware import GiB, chip_of_topology  # noqa: E402
 from glmjax.model import sparse_attention  # noqa: E402
-from glmjax.train import aot  # noqa: E402
+from glmjax.train import aot, hlo_cost  # noqa: E402
 
 
 def load_config(path: str):
@@ -83,7 +83,35 @@ def compile_step(cfg: ModelConfig, optim, mesh, args):
 
 
 def estimate(cfg: ModelConfig, optim, mesh, args, log) -> dict:
-    """Whole-step FLOPs / bytes per chip from unrolled one-trip builds (see the module doc). They use
+    """Whole-step FLOPs / bytes per chip from the real step (scanned layers, every loop) counted per trip
+    (`aot.cost`'s "per_trip", glmjax/train/hlo_cost.py), the block-skipping conditionals taken as often as the
+    layout needs them (`aot.needed_block_fraction`). moe_impl=blocked: on TPU `ragged_dot` is a Mosaic kernel
+    without a cost estimate."""
+    cfg = cfg.replace(moe_impl="blocked")
+    compiled, secs = compile_step(cfg, optim, mesh, args)
+    c = aot.cost(compiled)
+    del compiled
+    pt = c["per_trip"]
+    needed = aot.needed_block_fraction(args.seq, cfg.block_q, mesh.shape.get("context", 1), cfg.context_layout)
+    est = {**hlo_cost.scale_conditionals(pt, needed), "optimal_seconds": c["optimal_seconds"],
+           "loops_left": len(pt["unknown_trips"]), "uncounted_kernels": c["uncounted"]}
+    log(f"  estimate build (the step, moe_impl blocked): compiled in {secs:.0f} s; XLA counts (loop bodies once) "
+        f"{c['flops']:.4g} FLOP, {c['bytes']:.4g} HBM bytes; per trip {pt['flops']:.4g} FLOP, {pt['bytes']:.4g} HBM "
+        f"bytes, {pt['comm_bytes']:.4g} ICI bytes, of which in block-skipping conditionals {pt['cond_flops']:.4g} "
+        f"FLOP, {pt['cond_bytes']:.4g} bytes, taken {needed:.3f} of the time; {len(pt['loops'])} loops "
+        f"({len(pt['unknown_trips'])} with an unknown trip count, counted once); {c['custom_calls']} kernels "
+        f"({c['uncounted']} without a cost estimate: not counted)")
+    loops = {}
+    for loop in pt["loops"]:
+        key = (loop["op_name"], loop["trips"])
+        loops[key] = loops.get(key, 0) + 1
+    for (name, trips), n in sorted(loops.items(), key=lambda kv: -(kv[0][1] or 1) * kv[1]):
+        log(f"    loop x{n}: {trips} trips  {name}")
+    return est
+
+
+def estimate_builds(cfg: ModelConfig, optim, mesh, args, log) -> dict:
+    """The cross-check of `estimate`: unrolled one-trip builds (see the module doc) counted by XLA alone. They use
     moe_impl=blocked: on TPU `ragged_dot` is a Mosaic kernel, which cost analysis cannot see."""
     cfg = cfg.replace(moe_impl="blocked")
     L, L_dense = cfg.num_hidden_layers, cfg.first_k_dense_replace
@@ -127,7 +155,9 @@ def main(argv=None):
     p.add_argument("--optim", default=None, help="optimizer name override (adamw | muon | muon_split)")
     p.add_argument("--mode", default="sparse", choices=("dense", "sparse"))
     p.add_argument("--index-loss-weight", type=float, default=1.0)
-    p.add_argument("--no-estimate", action="store_true", help="memory only (skip the estimate builds)")
+    p.add_argument("--no-estimate", action="store_true", help="memory only (skip the estimate build)")
+    p.add_argument("--estimate", default="loops", choices=("loops", "builds"),
+                   help="loops: the step counted per loop trip (default); builds: unrolled one-trip builds")
     p.add_argument("--estimate-only", action="store_true", help="time / FLOPs only (skip the full-step compile)")
     p.add_argument("--json", default=None, help="append the result as one JSON line to this file")
     args = p.parse_args(argv)
@@ -180,7 +210,7 @@ def main(argv=None):
     model_flops_chip = model_flops * args.batch * args.seq / chips
     result["model_flops_per_chip"] = model_flops_chip
     if not args.no_estimate:
-        est = estimate(cfg, optim, mesh, args, log)
+        est = (estimate if args.estimate == "loops" else estimate_builds)(cfg, optim, mesh, args, log)
         t = aot.roofline(est, chip.name)
         peak = chip.peak_bf16_flops
         result.update(estimate=est, time=t, peak_flops=peak, mfu_fast=model_flops_chip / (t["fast"] * peak),

@@ -28,6 +28,7 @@ from glmjax.hardware import CHIPS, chip_of_topology
 from glmjax.model import GLM, Batch
 from glmjax.optim import build_optimizer
 from glmjax.parallel import abstract, batch_sharding, opt_state_shardings, state_shardings
+from glmjax.train import hlo_cost
 from glmjax.train.stages import STAGES, TRAINABLE
 from glmjax.train.step import make_train_step
 
@@ -71,55 +72,11 @@ def memory_per_chip(compiled) -> dict:
     return out
 
 
-DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
-               "f64": 8, "s64": 8, "u64": 8}
-COLLECTIVE = re.compile(r"= (.*?) (all-reduce|all-gather|reduce-scatter|all-to-all|ragged-all-to-all|"
-                        r"collective-permute)(-start)?\((.*)")
-
-
-def _shape_bytes(text: str) -> list[int]:
-    """Bytes of every array shape written in an HLO type, e.g. "(f32[8,128]{1,0}, bf16[4])" -> [4096, 8]."""
-    out = []
-    for dtype, dims in re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", text):
-        if dtype in DTYPE_BYTES:
-            out.append(DTYPE_BYTES[dtype] * int(np.prod([int(d) for d in dims.split(",") if d], dtype=np.int64)))
-    return out
-
-
-def _group_size(attrs: str) -> int:
-    """Devices in one replica group: mesh['a'=8,'b'=2] {'a'} -> 8; [4,2]<=[8] -> 2; {{0,1},{2,3}} -> 2."""
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}", attrs)
-    if m:
-        sizes = dict((k.strip("'"), int(v)) for k, v in (kv.split("=") for kv in m.group(1).split(",")))
-        return int(np.prod([sizes[a.strip().strip("'")] for a in m.group(2).split(",") if a.strip()]))
-    m = re.search(r"replica_groups=\[[\d,]*?(\d+)\]<=", attrs)
-    if m:
-        return int(m.group(1))
-    m = re.search(r"replica_groups=\{\{([\d,]*)\}", attrs)
-    return len(m.group(1).split(",")) if m else 1
-
-
-def collective_bytes(hlo_text: str) -> float:
-    """Bytes one chip sends over ICI for the collectives of a compiled program (loop bodies counted once), from
-    the result types: all-gather / all-to-all / permute move about their result, a reduce-scatter its input
-    (result x group), an all-reduce twice its result (reduce-scatter + all-gather); the (n-1)/n factors are
-    dropped. For async "-start" ops the largest array of the result tuple is taken (it also holds the input)."""
-    total = 0.0
-    for types, op, start, rest in COLLECTIVE.findall(hlo_text):
-        sizes = _shape_bytes(types)
-        if not sizes:
-            continue
-        size = max(sizes) if start else sum(sizes)
-        n = _group_size(rest)
-        if n <= 1:
-            continue
-        total += size * {"all-reduce": 2, "reduce-scatter": n}.get(op, 1)
-    return total
-
-
 def cost(compiled) -> dict:
     """Per chip, from the compiled program: FLOPs and HBM bytes accessed (`cost_analysis`) and ICI bytes of its
-    collectives (`collective_bytes`), each while-loop body counted once ("loops": how many are left).
+    collectives (`hlo_cost.collective_bytes`), each while-loop body counted once ("loops": how many are left), and
+    "per_trip": the same counts with every loop body counted once per trip (`hlo_cost`: XLA's counts plus what
+    hlo_cost counts for the further trips; "cond_*": the part inside conditional branches, which skip blocks).
 
     A Mosaic kernel ("tpu_custom_call") counts with the `pl.CostEstimate` it declares (pallas_kernels/ declare
     theirs); one without (JAX's splash attention, ragged_dot on TPU) counts nothing ("custom_calls": kernels,
@@ -130,10 +87,16 @@ def cost(compiled) -> dict:
     ca = ca[0] if isinstance(ca, (list, tuple)) else ca
     text = compiled.as_text()
     kernels = [line for line in text.splitlines() if 'custom_call_target="tpu_custom_call"' in line]
-    return {"flops": float(ca.get("flops", 0.0)), "bytes": float(ca.get("bytes accessed", 0.0)),
-            "comm_bytes": collective_bytes(text), "optimal_seconds": float(ca.get("optimal_seconds", 0.0)),
-            "custom_calls": len(kernels), "uncounted": sum('"cost_estimate"' not in k for k in kernels),
-            "loops": text.count(" while(")}
+    out = {"flops": float(ca.get("flops", 0.0)), "bytes": float(ca.get("bytes accessed", 0.0)),
+           "comm_bytes": hlo_cost.collective_bytes(text), "optimal_seconds": float(ca.get("optimal_seconds", 0.0)),
+           "custom_calls": len(kernels), "uncounted": sum('"cost_estimate"' not in k for k in kernels),
+           "loops": text.count(" while(")}
+    trips, once = hlo_cost.count(text), hlo_cost.count(text, per_trip=False)
+    per_trip = {k: out[k] + trips[k] - once[k] for k in ("flops", "bytes", "comm_bytes")}
+    per_trip.update({k: v for k, v in trips.items() if k.startswith("cond_")},
+                    loops=trips["loops"], unknown_trips=trips["unknown_trips"])
+    out["per_trip"] = per_trip
+    return out
 
 
 def roofline(c: dict, gen: str) -> dict:
@@ -144,6 +107,24 @@ def roofline(c: dict, gen: str) -> dict:
     t = {"compute": c["flops"] / chip.peak_bf16_flops, "memory": c["bytes"] / chip.hbm_bandwidth,
          "network": c["comm_bytes"] / chip.ici_bandwidth}
     return {**t, "fast": max(t.values()), "slow": sum(t.values())}
+
+
+def needed_block_fraction(seq: int, block: int, shards: int = 1, layout: str = "zigzag") -> float:
+    """Share of (query block, key block) pairs that blocked attention runs (`flash_attention.block_needed`: the
+    key block starts at or before the query block's last slot) on the busiest context shard, for rows of one
+    document each (packed documents skip more): how often the block-skipping conditionals take their branch. Query
+    blocks of min(block, seq / shards) local queries at their layout's slots (`context.Layout`), key blocks of
+    min(block, seq)."""
+    from glmjax.model.context import Layout
+    n = seq // shards
+    slots = Layout(layout, shards).perm(seq) if shards > 1 else np.arange(seq)
+    bq, bk = min(block, n), min(block, seq)
+    starts = np.arange(-(-seq // bk)) * bk
+    worst = 0.0
+    for i in range(shards):
+        q = np.concatenate([slots[i * n:(i + 1) * n], np.full(-n % bq, -1)]).reshape(-1, bq).max(axis=1)
+        worst = max(worst, float(np.mean(starts[None, :] <= q[:, None])))
+    return worst
 
 
 def estimate_build(cfg: ModelConfig, seq: int, layers: int, mtp: bool) -> ModelConfig:
