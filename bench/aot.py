@@ -103,10 +103,10 @@ def estimate(cfg: ModelConfig, optim, mesh, args, log) -> dict:
         f"({c['uncounted']} without a cost estimate: not counted)")
     loops = {}
     for loop in pt["loops"]:
-        key = (loop["op_name"], loop["trips"])
+        key = (loop["source"] or loop["op_name"], loop["trips"])
         loops[key] = loops.get(key, 0) + 1
-    for (name, trips), n in sorted(loops.items(), key=lambda kv: -(kv[0][1] or 1) * kv[1]):
-        log(f"    loop x{n}: {trips} trips  {name}")
+    for (where, trips), n in sorted(loops.items(), key=lambda kv: kv[0]):
+        log(f"    {n} loop(s) of {trips} trips at {where}")
     return est
 
 

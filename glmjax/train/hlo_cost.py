@@ -187,6 +187,31 @@ def conv_flops(inst: Inst, shapes: dict) -> float:
     return 2.0 * nelems(inst.type) * macs_per_out
 
 
+def source_lines(text: str) -> dict[int, str]:
+    """{stack_frame_id: "path/file.py:line (function)"} from the module's StackFrames / FileLocations tables (the
+    innermost frame of an instruction's `stack_frame_id`); paths from their last "glmjax/" or "pallas_kernels/"."""
+    tables, current = {}, None
+    for line in text.splitlines():
+        if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+            current = tables.setdefault(line, {})
+        elif current is not None and re.match(r"\d+ ", line):
+            key, value = line.split(" ", 1)
+            current[int(key)] = value.strip().strip('"')
+        else:
+            current = None
+    field = lambda v, k: int(re.search(rf"{k}=(\d+)", v).group(1))  # noqa: E731
+    out = {}
+    for frame, v in tables.get("StackFrames", {}).items():
+        loc = tables.get("FileLocations", {}).get(field(v, "file_location_id"), "")
+        if not loc:
+            continue
+        path = tables.get("FileNames", {}).get(field(loc, "file_name_id"), "?")
+        path = path[max(path.rfind("glmjax/"), path.rfind("pallas_kernels/"), 0):]
+        func = tables.get("FunctionNames", {}).get(field(loc, "function_name_id"), "?")
+        out[frame] = f"{path}:{field(loc, 'line')} ({func})"
+    return out
+
+
 class Counter:
     """Cost of each computation of one HLO module, loops multiplied by their trip counts (see the module doc)."""
 
@@ -194,6 +219,7 @@ class Counter:
         self.comps, self.entry = parse(text)
         self.per_trip = per_trip
         self.shapes = {c: {i.name: i.type for i in insts} for c, insts in self.comps.items()}
+        self.sources = source_lines(text)
         self.loops, self.kernels, self.unknown_trips = [], [], []
         self._memo = {}
 
@@ -250,9 +276,10 @@ class Counter:
             body = called("body")[0]
             n = self.trips(comp, inst)
             per_trip = self.cost(body) + self.cost(called("condition")[0])
-            name = re.search(r'op_name="([^"]*)"', inst.attrs)
+            name, frame = re.search(r'op_name="([^"]*)"', inst.attrs), re.search(r"stack_frame_id=(\d+)", inst.attrs)
             self.loops.append(dict(computation=body, trips=n, flops_per_trip=float(per_trip[0, 0]),
-                                   op_name=name.group(1) if name else ""))
+                                   op_name=name.group(1) if name else "",
+                                   source=self.sources.get(int(frame.group(1)), "") if frame else ""))
             if n is None:
                 self.unknown_trips.append(body)
             return per_trip * (n if self.per_trip and n is not None else 1)
@@ -354,7 +381,7 @@ class Counter:
 
 def count(text: str, per_trip: bool = True) -> dict:
     """Per chip: flops, transcendentals, bytes (HBM), comm_bytes (ICI) with every loop counted per trip; the same
-    inside conditional branches ("cond_flops", ...); loops [{computation, trips, flops_per_trip, op_name}];
+    inside conditional branches ("cond_flops", ...); loops [{computation, trips, flops_per_trip, op_name, source}];
     unknown_trips (loops counted once); kernels / uncounted (Mosaic calls, those without a cost estimate).
     per_trip=False counts every loop body once, as XLA's cost analysis does."""
     c = Counter(text, per_trip)
