@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gzip
 import importlib.util
 import json
 import os
@@ -90,6 +91,9 @@ def estimate(cfg: ModelConfig, optim, mesh, args, log) -> dict:
     cfg = cfg.replace(moe_impl="blocked")
     compiled, secs = compile_step(cfg, optim, mesh, args)
     c = aot.cost(compiled)
+    if args.hlo_out:  # the program text, to count again (python -m glmjax.train.hlo_cost) without compiling
+        with gzip.open(args.hlo_out, "wt") as f:
+            f.write(compiled.as_text())
     del compiled
     pt = c["per_trip"]
     needed = aot.needed_block_fraction(args.seq, cfg.block_q, mesh.shape.get("context", 1), cfg.context_layout)
@@ -159,6 +163,7 @@ def main(argv=None):
     p.add_argument("--estimate", default="loops", choices=("loops", "builds"),
                    help="loops: the step counted per loop trip (default); builds: unrolled one-trip builds")
     p.add_argument("--estimate-only", action="store_true", help="time / FLOPs only (skip the full-step compile)")
+    p.add_argument("--hlo-out", default=None, help="write the estimate build's HLO text here (gzip)")
     p.add_argument("--json", default=None, help="append the result as one JSON line to this file")
     args = p.parse_args(argv)
 

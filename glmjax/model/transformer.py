@@ -8,7 +8,6 @@ GLM-5 (3 dense + 75 MoE, all full) -> 2 stacks; GLM-5.2 (FFF SSS F SSS ...) -> 3
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import NamedTuple
 
 import jax
@@ -119,17 +118,12 @@ def layer_slots(cfg: ModelConfig) -> list[tuple[int, int, int]]:
 
 class Unit(nnx.Module):
     def __init__(self, cfg: ModelConfig, kinds, rngs: nnx.Rngs):
-        self.cfg = cfg
         self.layers = nnx.List([DecoderLayer(cfg, moe, idx, rngs) for moe, idx in kinds])
 
     def __call__(self, h, topk, ctx: Ctx, caches=None):
-        """-> h, topk, Aux stacked over the unit's layers, caches (list per layer). With remat, a unit of several
-        layers (IndexShare) also rematerialises each layer: the stack's remat replays the whole unit in the
-        backward pass, which would otherwise hold every layer's activations at once (GLM-5.2's FSSS unit: 4x)."""
+        """-> h, topk, Aux stacked over the unit's layers, caches (list per layer)."""
         stats, moes, new_caches = [], [], []
         for j, layer in enumerate(self.layers):
-            if self.cfg.remat != "none" and len(self.layers) > 1:
-                layer = _remat_layer(layer, ctx, REMAT[self.cfg.remat])
             h, topk, st, moe, c = layer(h, topk, ctx, None if caches is None else caches[j])
             stats.append(st)
             moes.append(moe)
@@ -137,17 +131,6 @@ class Unit(nnx.Module):
         kl = unit_index_loss(stats, ctx) if ctx.index_loss else ()
         auxs = [layer_aux(st, moe, *(kl if j == 0 else ())) for j, (st, moe) in enumerate(zip(stats, moes))]
         return h, topk, stack_aux(auxs), (None if caches is None else new_caches)
-
-
-def _remat_layer(layer: nnx.Module, ctx: Ctx, policy):
-    """layer(h, topk, ctx, cache) as a `jax.checkpoint` of its parameters and inputs (ctx closed over)."""
-    graphdef, state = nnx.split(layer)
-
-    @functools.partial(jax.checkpoint, policy=policy, prevent_cse=True)
-    def run(state, h, topk, cache):
-        return nnx.merge(graphdef, state)(h, topk, ctx, cache)
-
-    return lambda h, topk, ctx_, cache: run(state, h, topk, cache)
 
 
 def unit_index_loss(stats: list[AttnStats], ctx: Ctx):

@@ -355,28 +355,38 @@ class Counter:
         return read + written
 
     def param_read(self, fused_comp: str, param: str, full: float) -> float:
-        """Bytes a fused computation reads of its parameter `param` (full: the whole operand): only the slices
-        that (dynamic-)slices take, also through bitcasts and nested fusions; else all of it."""
-        body = self.comps.get(fused_comp, [])
-        elems = max(nelems(self.shapes[fused_comp].get(param, "")), 1)
-        users = [i for i in body if param in i.operands]
-        if not users:  # the fused computation's result: the caller reads it whole
-            return full
+        """Bytes a fused computation reads of its parameter `param` (full: the whole operand)."""
+        return full * self.read_fraction(fused_comp, param, 1.0)
+
+    def read_fraction(self, comp: str, name: str, at_root: float) -> float:
+        """Share of value `name` of fused computation `comp` that is read: only what (dynamic-)slices take, also
+        through bitcasts, copies, converts and nested fusions; at_root: the share the consumer of comp's result
+        reads (a nested fusion's result may itself be sliced); otherwise all of it."""
+        body = self.comps.get(comp, [])
+        users = [i for i in body if name in i.operands]
+        elems = max(nelems(self.shapes[comp].get(name, "")), 1)
+        if body and body[-1].name == name:
+            users.append(None)
         read = 0.0
         for u in users:
-            if u.op in ("slice", "dynamic-slice") and u.operands[0] == param:
-                read += full * nelems(u.type) / elems
-            elif u.op == "bitcast":
-                read += self.param_read(fused_comp, u.name, full)
+            if u is None:
+                read += at_root
+            elif u.op in ("slice", "dynamic-slice") and u.operands[0] == name:
+                read += nelems(u.type) / elems
+            elif u.op in ("bitcast", "copy", "convert") or (u.op in ELEMENTWISE and nelems(u.type) == elems):
+                read += self.read_fraction(comp, u.name, at_root)
             elif u.op == "fusion":
                 inner = re.search(r"calls=%?([\w.\-]+)", u.attrs).group(1)
                 inner_params = {int(re.search(r"parameter\((\d+)\)", i.line).group(1)): i.name
                                 for i in self.comps.get(inner, []) if i.op == "parameter"}
-                read += sum(self.param_read(inner, inner_params[k], full)
-                            for k, o in enumerate(u.operands) if o == param and k in inner_params)
+                out_read = self.read_fraction(comp, u.name, at_root)
+                read += sum(self.read_fraction(inner, inner_params[k], out_read)
+                            for k, o in enumerate(u.operands) if o == name and k in inner_params)
             else:
-                return full
-        return min(read, full)
+                return 1.0
+            if read >= 1.0:
+                return 1.0
+        return read
 
 
 def count(text: str, per_trip: bool = True) -> dict:
