@@ -6,19 +6,21 @@ step time, implied MFU. Estimates, not measurements: nothing runs, no TPU is nee
         --mesh fsdp=4,expert=64,tensor=4 --set remat=full --set moe_capacity_factor=2
     python bench/aot.py --config configs/small.py --topology v5e:2x4 --seq 256 --batch 8 --mesh data=8
 
-Memory comes from compiling the real step (scanned layers, the config's loops). Time and FLOPs cannot: XLA's
-cost analysis counts a while-loop body once. The counts -- FLOPs and HBM bytes (`cost_analysis`), ICI bytes of
-the collectives (from the HLO) -- come from "estimate builds" whose every loop runs one trip
-(layers unrolled, one loss chunk, one attention query block, MTP for one depth): for <= 8 layers the whole
-model, otherwise the dense layers + 1 MoE layer and + 2 MoE layers, extrapolated linearly to all MoE layers;
-MTP depths are added the same way. The Pallas kernels of pallas_kernels/ count with the cost they declare
-(`pl.CostEstimate`); JAX's splash attention declares none, so a dense step on TPU (splash, `dense_attention_impl`
-"auto") leaves its attention out of the counts (the log says how many kernels are uncounted). Model FLOPs (for
-MFU) come from `glmjax.flops` (causal=False: what the XLA code computes). Step time is a roofline of the counts
-with the chip's public peaks (`glmjax.train.aot.roofline`, glmjax/hardware.py): between max(compute, HBM, ICI)
-(all overlapped) and their sum (none); the compiler's own "optimal_seconds" is printed but not used (it goes
-negative for these programs). The every-parameter-trains sparse step is the sparse-adaptation stage (LM + MTP +
-indexer KL).
+Memory comes from compiling the real step (scanned layers, the config's loops). Time and FLOPs come from the
+same step compiled with moe_impl=blocked (on TPU `ragged_dot` is a Mosaic kernel without a cost estimate),
+counted with every while-loop body once per trip (glmjax/train/hlo_cost.py; XLA's own cost analysis counts a
+body once): FLOPs as XLA counts them, HBM bytes scaled to XLA's count of the loop-once program, ICI bytes of the
+collectives from the HLO. The block-skipping conditionals of blocked attention count as often as the layout
+needs their blocks (`aot.needed_block_fraction`, one document per row). The Pallas kernels of pallas_kernels/
+count with the cost they declare (`pl.CostEstimate`); JAX's splash attention declares none, so a dense step on
+one context shard on TPU (splash, `dense_attention_impl` "auto") leaves its attention out of the counts (the log
+says how many kernels are uncounted). `--estimate builds` is the older cross-check: unrolled builds whose every
+loop runs one trip (layers unrolled, one loss chunk, one attention block, MTP for one depth; the dense layers +
+1 and + 2 MoE layers, extrapolated linearly), counted by XLA alone. Model FLOPs (for MFU) come from
+`glmjax.flops` (causal=False, the PaLM convention). Step time is a roofline of the counts with the chip's public
+peaks (`glmjax.train.aot.roofline`, glmjax/hardware.py): between max(compute, HBM, ICI) (all overlapped) and
+their sum (none); the compiler's own "optimal_seconds" is printed but not used (it goes negative for these
+programs). The every-parameter-trains sparse step is the sparse-adaptation stage (LM + MTP + indexer KL).
 """
 from __future__ import annotations
 

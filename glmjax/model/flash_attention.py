@@ -147,6 +147,11 @@ def _row_max(q, k, q_seg, k_seg, q_idx, scale, bq, bk):
 
 
 def _flash_fwd(q, k, v, q_seg, k_seg, q_idx, scale, bq, bk):
+    # Inside a differentiated lax.scan (the model's scanned layers) JAX partially evaluates this rule: without the
+    # barrier it splits each block's lax.cond into the part known from the integer inputs (the visibility mask, a
+    # placeholder for the scores) and the rest, and saves the known part for every (query block, key block) pair
+    # -- [S/b, T/b, B, b, H, b] residuals, O(S T) memory (tests/test_flash_attention.py).
+    q, k, v, q_seg, k_seg, q_idx = jax.lax.optimization_barrier((q, k, v, q_seg, k_seg, q_idx))
     out, lse, m = _forward(q, k, v, q_seg, k_seg, q_idx, scale, bq, bk)
     return (out, lse, m), (q, k, v, q_seg, k_seg, q_idx, out, lse)
 

@@ -412,3 +412,31 @@ def scale_conditionals(counts: dict, fraction: float) -> dict:
         if k in counts:
             out[k] = counts[k] - (1.0 - fraction) * counts[f"cond_{k}"]
     return out
+
+
+def main(argv=None):
+    """python -m glmjax.train.hlo_cost PROGRAM.hlo[.gz]: the per-trip counts of a saved program text
+    (`bench/aot.py --hlo-out`) and its loops by source line."""
+    import argparse
+    import gzip
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("path")
+    path = p.parse_args(argv).path
+    with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
+        text = f.read()
+    once, c = count(text, per_trip=False), count(text)
+    for k in ("flops", "transcendentals", "bytes", "comm_bytes"):
+        print(f"{k:>16}: per trip {c[k]:.4g} (of which in conditional branches {c['cond_' + k]:.4g}); "
+              f"bodies once {once[k]:.4g}")
+    print(f"kernels {c['kernels']} ({c['uncounted']} without a cost estimate); loops with an unknown trip count "
+          f"{len(c['unknown_trips'])}")
+    loops = {}
+    for loop in c["loops"]:
+        key = (loop["source"] or loop["op_name"], loop["trips"])
+        loops[key] = loops.get(key, 0) + 1
+    for (where, trips), n in sorted(loops.items(), key=lambda kv: kv[0]):
+        print(f"  {n} loop(s) of {trips} trips at {where}")
+
+
+if __name__ == "__main__":
+    main()
