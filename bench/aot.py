@@ -93,6 +93,9 @@ def estimate(cfg: ModelConfig, optim, mesh, args, log) -> dict:
     cfg = cfg.replace(moe_impl="blocked")
     compiled, secs = compile_step(cfg, optim, mesh, args)
     c = aot.cost(compiled)
+    mem = aot.memory_per_chip(compiled)
+    log(f"  estimate build memory per chip (moe_impl blocked): {mem['total'] / GiB:.2f} GiB (temporaries "
+        f"{mem['temp'] / GiB:.2f})")
     if args.hlo_out:  # the program text, to count again (python -m glmjax.train.hlo_cost) without compiling
         with gzip.open(args.hlo_out, "wt") as f:
             f.write(compiled.as_text())
