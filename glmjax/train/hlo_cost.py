@@ -12,8 +12,9 @@ loss is that of one trip. This module walks the optimized HLO of `compiled.as_te
   size per output feature; an elementwise op its output size, a reduce its input size (exp, log, tanh, ... count
   as transcendentals);
 * HBM bytes: every instruction outside fusions reads its operands and writes its result; a fusion reads only the
-  slices it takes of an operand (dynamic-slice) and writes only the update of an in-place dynamic-update-slice
-  (the per-trip slice of a scan's stacked input or output, not the whole stack);
+  slices it takes of an operand (slice, dynamic-slice, gather: as many elements as they return) and writes only
+  the update of an in-place dynamic-update-slice (the per-trip slice of a scan's stacked input or output, not the
+  whole stack);
 * ICI bytes: a collective moves about its result (an all-reduce twice, a reduce-scatter its input), the (n-1)/n
   factors dropped;
 * a Mosaic kernel ("tpu_custom_call") counts with the `pl.CostEstimate` it declares; one without (JAX's splash
@@ -328,8 +329,8 @@ class Counter:
     def traffic(self, inst: Inst, shapes: dict) -> float:
         if inst.op in NO_TRAFFIC:
             return 0.0
-        if inst.op == "dynamic-slice":
-            return 2.0 * nbytes(inst.type)
+        if inst.op in ("dynamic-slice", "gather"):  # reads what it takes (and a gather its indices)
+            return 2.0 * nbytes(inst.type) + sum(nbytes(shapes.get(o, "")) for o in inst.operands[1:])
         if inst.op == "dynamic-update-slice":
             return 2.0 * nbytes(shapes.get(inst.operands[1], ""))
         return nbytes(inst.type) + sum(nbytes(shapes.get(o, "")) for o in inst.operands)
@@ -371,7 +372,7 @@ class Counter:
         for u in users:
             if u is None:
                 read += at_root
-            elif u.op in ("slice", "dynamic-slice") and u.operands[0] == name:
+            elif u.op in ("slice", "dynamic-slice", "gather") and u.operands[0] == name:
                 read += nelems(u.type) / elems
             elif u.op in ("bitcast", "copy", "convert") or (u.op in ELEMENTWISE and nelems(u.type) == elems):
                 read += self.read_fraction(comp, u.name, at_root)
