@@ -79,7 +79,7 @@ def one_query_block():
 
 def compile_step(cfg: ModelConfig, optim, mesh, args):
     t = time.perf_counter()
-    lowered = aot.lower_train_step(cfg, optim, mesh, args.batch, args.seq, mode=args.mode,
+    lowered = aot.lower_train_step(cfg, optim, mesh, args.batch, args.seq, stage=args.stage, mode=args.mode,
                                    index_loss_weight=args.index_loss_weight)
     compiled = lowered.compile()
     return compiled, time.perf_counter() - t
@@ -163,6 +163,8 @@ def main(argv=None):
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="ModelConfig override")
     p.add_argument("--optim", default=None, help="optimizer name override (adamw | muon | muon_split)")
     p.add_argument("--mode", default="sparse", choices=("dense", "sparse"))
+    p.add_argument("--stage", default="sparse_adapt", help="which parameters train (glmjax/train/stages.py); MFU "
+                   "always counts a step training every parameter")
     p.add_argument("--index-loss-weight", type=float, default=1.0)
     p.add_argument("--no-estimate", action="store_true", help="memory only (skip the estimate build)")
     p.add_argument("--estimate", default="loops", choices=("loops", "builds"),
@@ -187,11 +189,12 @@ def main(argv=None):
     chips = len(devices)
     log = lambda s: print(s, flush=True)  # noqa: E731
     log(f"{args.config} on {args.topology} x{args.num_slices} ({chips} chips), mesh {dict(mesh.shape)}, "
-        f"batch {args.batch} x seq {args.seq}, {args.mode}, optimizer {optim['name']}, "
+        f"batch {args.batch} x seq {args.seq}, stage {args.stage}, {args.mode}, optimizer {optim['name']}, "
         f"overrides {overrides or '-'}")
 
     result = dict(config=args.config, topology=args.topology, num_slices=args.num_slices, chips=chips,
-                  mesh=dict(mesh.shape), batch=args.batch, seq=args.seq, mode=args.mode, optimizer=optim["name"],
+                  mesh=dict(mesh.shape), batch=args.batch, seq=args.seq, stage=args.stage, mode=args.mode,
+                  optimizer=optim["name"],
                   overrides=overrides)
     hbm = chip.hbm_bytes
     if not args.estimate_only:
