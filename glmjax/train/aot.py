@@ -15,7 +15,6 @@ are glmjax/hardware.py's.
 from __future__ import annotations
 
 import os
-import re
 
 import numpy as np
 
@@ -26,6 +25,7 @@ from flax import nnx
 from glmjax.config import ModelConfig
 from glmjax.hardware import CHIPS, chip_of_topology
 from glmjax.model import GLM, Batch
+from glmjax.model.context import Layout
 from glmjax.optim import build_optimizer
 from glmjax.parallel import abstract, batch_sharding, opt_state_shardings, state_shardings
 from glmjax.train import hlo_cost
@@ -79,8 +79,9 @@ def cost(compiled) -> dict:
     inside conditional branches, which skip blocks). Per-trip FLOPs are XLA's plus hlo_cost's for the further trips
     (the two count FLOPs alike); per-trip HBM bytes are hlo_cost's scaled by XLA's bytes per hlo_cost byte of the
     loop-once program, because XLA's TPU model also counts the re-reads of tiled matmul operands, which hlo_cost
-    does not (hlo_cost alone counts 0.37x XLA's bytes for the tiny model's step; scaled, the tiny dense step is
-    within 2% of XLA's count of its unrolled build, docs/benchmarks.md).
+    does not (alone it counts 0.38x XLA's bytes for the tiny model's step; scaled, the tiny model's dense step is
+    within 1.3% of XLA's count of its unrolled build and GLM-5's sparse step at 202,752 tokens within 0.1%,
+    docs/benchmarks.md).
 
     A Mosaic kernel ("tpu_custom_call") counts with the `pl.CostEstimate` it declares (pallas_kernels/ declare
     theirs); one without (JAX's splash attention, ragged_dot on TPU) counts nothing ("custom_calls": kernels,
@@ -121,7 +122,6 @@ def needed_block_fraction(seq: int, block: int, shards: int = 1, layout: str = "
     document each (packed documents skip more): how often the block-skipping conditionals take their branch. Query
     blocks of min(block, seq / shards) local queries at their layout's slots (`context.Layout`), key blocks of
     min(block, seq)."""
-    from glmjax.model.context import Layout
     n = seq // shards
     slots = Layout(layout, shards).perm(seq) if shards > 1 else np.arange(seq)
     bq, bk = min(block, n), min(block, seq)

@@ -36,11 +36,11 @@ DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16"
 ARRAY = re.compile(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]")
 COLLECTIVE = re.compile(r"= (.*?) (all-reduce|all-gather|reduce-scatter|all-to-all|ragged-all-to-all|"
                         r"collective-permute)(-start)?\((.*)")
-# the first index of (flops, transcendentals, HBM bytes, ICI bytes) an op's elements count in (None: neither)
+# elementwise ops: 0 counts their elements as FLOPs, 1 as transcendentals
 ELEMENTWISE = {op: 0 for op in ("add", "subtract", "multiply", "divide", "maximum", "minimum", "compare", "select",
-                                "and", "or", "xor", "not", "negate", "abs", "sign", "floor", "ceil", "round-nearest-even",
-                                "round-nearest-afz", "clamp", "remainder", "shift-left", "shift-right-logical",
-                                "shift-right-arithmetic", "is-finite", "convert")}
+                                "and", "or", "xor", "not", "negate", "abs", "sign", "floor", "ceil", "clamp",
+                                "round-nearest-even", "round-nearest-afz", "remainder", "shift-left",
+                                "shift-right-logical", "shift-right-arithmetic", "is-finite", "convert")}
 ELEMENTWISE.update({op: 1 for op in ("exponential", "exponential-minus-one", "log", "log-plus-one", "tanh",
                                      "logistic", "rsqrt", "sqrt", "cbrt", "power", "sine", "cosine", "tan", "atan2",
                                      "erf")})
@@ -285,9 +285,9 @@ class Counter:
                 self.unknown_trips.append(body)
             return per_trip * (n if self.per_trip and n is not None else 1)
         if inst.op == "conditional":
-            branches = re.findall(r"%?([\w.\-]+)", (re.search(r"branch_computations=\{([^}]*)\}", inst.attrs) or
-                                                  re.search(r"()", "")).group(1))
-            branches = branches or called("true_computation") + called("false_computation")
+            listed = re.search(r"branch_computations=\{([^}]*)\}", inst.attrs)
+            branches = (re.findall(r"%?([\w.\-]+)", listed.group(1)) if listed
+                        else called("true_computation") + called("false_computation"))
             best = max((self.cost(b) for b in branches), key=lambda c: c[0, 0] + c[0, 2], default=out)
             return np.stack([best[0], best[0]])
         if inst.op == "fusion":
@@ -423,8 +423,13 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=main.__doc__)
     p.add_argument("path")
     path = p.parse_args(argv).path
-    with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
-        text = f.read()
+    try:
+        with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        p.error(f"cannot read {path}: {e}")
+    if parse(text)[1] is None:
+        p.error(f"{path}: no ENTRY computation; expected the text of a compiled HLO module (compiled.as_text())")
     once, c = count(text, per_trip=False), count(text)
     for k in ("flops", "transcendentals", "bytes", "comm_bytes"):
         print(f"{k:>16}: per trip {c[k]:.4g} (of which in conditional branches {c['cond_' + k]:.4g}); "
