@@ -110,12 +110,8 @@ def estimate(cfg: ModelConfig, optim, mesh, args, log) -> dict:
         f"FLOP, {pt['cond_bytes']:.4g} bytes, taken {needed:.3f} of the time; {len(pt['loops'])} loops "
         f"({len(pt['unknown_trips'])} with an unknown trip count, counted once); {c['custom_calls']} kernels "
         f"({c['uncounted']} without a cost estimate: not counted)")
-    loops = {}
-    for loop in pt["loops"]:
-        key = (loop["source"] or loop["op_name"], loop["trips"])
-        loops[key] = loops.get(key, 0) + 1
-    for (where, trips), n in sorted(loops.items(), key=lambda kv: kv[0]):
-        log(f"    {n} loop(s) of {trips} trips at {where}")
+    for line in hlo_cost.loop_lines(pt["loops"]):
+        log("    " + line)
     return est
 
 

@@ -405,6 +405,15 @@ def count(text: str, per_trip: bool = True) -> dict:
     return out
 
 
+def loop_lines(loops: list[dict]) -> list[str]:
+    """`count`'s loops grouped by source line and trip count, one line each."""
+    groups = {}
+    for loop in loops:
+        key = (loop["source"] or loop["op_name"], loop["trips"])
+        groups[key] = groups.get(key, 0) + 1
+    return [f"{n} loop(s) of {trips} trips at {where}" for (where, trips), n in sorted(groups.items(), key=str)]
+
+
 def scale_conditionals(counts: dict, fraction: float) -> dict:
     """`counts` with the conditional branches counted as running `fraction` of the time instead of always (for
     branches that skip blocks, fraction = the share of blocks that run)."""
@@ -436,12 +445,8 @@ def main(argv=None):
               f"bodies once {once[k]:.4g}")
     print(f"kernels {c['kernels']} ({c['uncounted']} without a cost estimate); loops with an unknown trip count "
           f"{len(c['unknown_trips'])}")
-    loops = {}
-    for loop in c["loops"]:
-        key = (loop["source"] or loop["op_name"], loop["trips"])
-        loops[key] = loops.get(key, 0) + 1
-    for (where, trips), n in sorted(loops.items(), key=lambda kv: kv[0]):
-        print(f"  {n} loop(s) of {trips} trips at {where}")
+    for line in loop_lines(c["loops"]):
+        print("  " + line)
 
 
 if __name__ == "__main__":
