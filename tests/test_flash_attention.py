@@ -161,7 +161,7 @@ def test_flash_inside_scanned_layers_keeps_linear_memory_under_grad():
     """Flash attention in a lax.scan over layers (the model's scanned stacks), differentiated: the compiled
     program's temporaries grow linearly with S. Without the optimization barrier in `_flash_fwd`, JAX's partial
     evaluation of the scan split each block's lax.cond and saved the known half (the block's visibility mask and
-    a placeholder for its scores) for every (query block, key block) pair: [S/b, T/b, B, b, H, b] stacks, 4x the
+    a placeholder for its scores) for every (query block, key block) pair: [S/b, T/b, B, b, H, b] stacks, ~4x the
     temporaries per doubling of S (13.7 -> 47 -> 175 MiB at 1K / 2K / 4K here; with the barrier 2.9 -> 5.4 -> 10.8),
     and 23 GB per chip in GLM-5's dense step at 202,752 tokens."""
     def temp(S, B=1, H=2, d=16, block=128):
