@@ -21,7 +21,7 @@ def arg():
 
 
 def compiled_text(f, *args):
-    c = jax.jit(f).lower(*args).compile()
+    c = aot.compile_uncached(jax.jit(f).lower(*args))
     ca = c.cost_analysis()
     return c.as_text(), ca[0] if isinstance(ca, (list, tuple)) else ca
 

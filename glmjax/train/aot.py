@@ -4,13 +4,13 @@ optimizer, router-bias update, non-finite guard) for a TPU topology, from a CPU 
 
     devices = topology_devices("v5p:8x8x16")                       # 1024 v5p chips, described by libtpu
     mesh = make_mesh(dict(fsdp=4, expert=64, tensor=4), devices)
-    compiled = lower_train_step(model_cfg, optim_cfg, mesh, batch=256, seq=4096).compile()
+    compiled = compile_uncached(lower_train_step(model_cfg, optim_cfg, mesh, batch=256, seq=4096))
     memory_per_chip(compiled), cost(compiled), roofline(cost(compiled), "v5p")
 
 What the compiler reports is an estimate, not a measurement. XLA's cost analysis counts the body of a while loop
-once, not once per trip, so the FLOPs / time of a scanned model are those of one layer; `bench/aot.py` therefore
-estimates time from unrolled builds (see `estimate_build`) and checks that no loop is left. The chips' peak numbers
-are glmjax/hardware.py's.
+once, not once per trip, so the FLOPs / time of a scanned model would be those of one layer; `cost` adds the count
+with every loop body once per trip (glmjax/train/hlo_cost.py), which `bench/aot.py` uses (its cross-check, unrolled
+builds: `estimate_build`). The chips' peak numbers are glmjax/hardware.py's.
 """
 from __future__ import annotations
 
@@ -40,6 +40,18 @@ def topology_devices(topology_name: str, num_slices: int = 1) -> list:
     chip_of_topology(topology_name)
     return list(topologies.get_topology_desc(platform="tpu", topology_name=topology_name,
                                              num_slices=num_slices).devices)
+
+
+def compile_uncached(lowered):
+    """`lowered.compile()` with the persistent compilation cache off: an executable compiled for a described
+    topology (no chips attached) is written to the cache but cannot be loaded back -- JAX warns "PjRtCompiler must be
+    constructed with a Client" and compiles again."""
+    enabled = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        return lowered.compile()
+    finally:
+        jax.config.update("jax_enable_compilation_cache", enabled)
 
 
 def lower_train_step(cfg: ModelConfig, optim_cfg, mesh, batch: int, seq: int, *, stage: str = "sparse_adapt",

@@ -19,7 +19,7 @@ import jax
 from glmjax.config import ConfigError
 from glmjax.hardware import GiB, chip_of_topology
 from glmjax.parallel import make_mesh, num_batch_shards
-from glmjax.train.aot import lower_train_step, memory_per_chip, topology_devices
+from glmjax.train.aot import compile_uncached, lower_train_step, memory_per_chip, topology_devices
 from glmjax.train.config import stage_config, validate_recipe
 from glmjax.train.loop import check_config
 
@@ -65,8 +65,9 @@ def compile_stage(config, name: str, devices: list):
                   attention_impl=cfg.attention_impl, remat=cfg.remat)
     t0 = time.perf_counter()
     try:
-        compiled = lower_train_step(cfg, optim, mesh, t.batch_size, t.seq_len, stage=name, mode=mode,
-                                    index_loss_weight=t.index_loss_weight, bias_rate=t.bias_update_rate).compile()
+        lowered = lower_train_step(cfg, optim, mesh, t.batch_size, t.seq_len, stage=name, mode=mode,
+                                   index_loss_weight=t.index_loss_weight, bias_rate=t.bias_update_rate)
+        compiled = compile_uncached(lowered)
     except jax.errors.JaxRuntimeError as e:  # the TPU compiler refuses a program that cannot fit
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
