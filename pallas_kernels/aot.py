@@ -79,9 +79,16 @@ def compile_kernel(topology: str, kernel: str, shapes: dict | None = None):
     body = jax.shard_map(f, mesh=mesh, in_specs=P("chips"), out_specs=P("chips"), check_vma=False)
     outs = jax.tree.map(lambda o: row_major(o.ndim), jax.eval_shape(body, *args))
     fn = jax.jit(body, out_shardings=outs)
-    cache = jax.config.jax_enable_compilation_cache  # a topology executable cannot be stored / reloaded
+    return compile_uncached(fn.lower(*args)), n
+
+
+def compile_uncached(lowered):
+    """`lowered.compile()` with the persistent compilation cache off: an executable compiled for a described
+    topology (no chips attached) is written to the cache but cannot be loaded back -- JAX warns "PjRtCompiler must be
+    constructed with a Client" and compiles again."""
+    enabled = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
     try:
-        return fn.lower(*args).compile(), n
+        return lowered.compile()
     finally:
-        jax.config.update("jax_enable_compilation_cache", cache)
+        jax.config.update("jax_enable_compilation_cache", enabled)

@@ -31,6 +31,7 @@ from glmjax.parallel import abstract, batch_sharding, opt_state_shardings, state
 from glmjax.train import hlo_cost
 from glmjax.train.stages import STAGES, TRAINABLE
 from glmjax.train.step import make_train_step
+from pallas_kernels.aot import compile_uncached  # noqa: F401  (the dry run's and bench/aot.py's compile)
 
 
 def topology_devices(topology_name: str, num_slices: int = 1) -> list:
@@ -40,18 +41,6 @@ def topology_devices(topology_name: str, num_slices: int = 1) -> list:
     chip_of_topology(topology_name)
     return list(topologies.get_topology_desc(platform="tpu", topology_name=topology_name,
                                              num_slices=num_slices).devices)
-
-
-def compile_uncached(lowered):
-    """`lowered.compile()` with the persistent compilation cache off: an executable compiled for a described
-    topology (no chips attached) is written to the cache but cannot be loaded back -- JAX warns "PjRtCompiler must be
-    constructed with a Client" and compiles again."""
-    enabled = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    try:
-        return lowered.compile()
-    finally:
-        jax.config.update("jax_enable_compilation_cache", enabled)
 
 
 def lower_train_step(cfg: ModelConfig, optim_cfg, mesh, batch: int, seq: int, *, stage: str = "sparse_adapt",
