@@ -12,8 +12,9 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 # A persistent compilation cache shared by the xdist workers and by reruns: compiling dominates CPU test time.
-jax.config.update("jax_compilation_cache_dir", os.environ.get("GLMJAX_TEST_CACHE",
-                                                              os.path.join(tempfile.gettempdir(), "glmjax_jax_cache")))
+CACHE = os.environ.get("GLMJAX_TEST_CACHE", os.path.join(tempfile.gettempdir(), "glmjax_jax_cache"))
+jax.config.update("jax_compilation_cache_dir", CACHE)
+os.environ.setdefault("GLMJAX_CACHE_DIR", CACHE)  # train.py / glmjax-* in a test's subprocess: the same cache
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
@@ -38,3 +39,62 @@ def pytest_collection_modifyitems(config, items):
     built once): the two xdist workers start on the long tests and finish together on the short ones."""
     slow = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.module.__name__ not in slow)  # stable
+
+
+# Where the time goes: every test's compile seconds (jaxpr tracing + lowering + XLA compile or cache read, in this
+# process; a test's subprocesses are not counted) beside its wall seconds, summed over set-up, call and teardown.
+# The summary at the end of every run lists the slowest tests and the slowest modules.
+_compile_s = [0.0]
+_COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                   "/jax/core/compile/backend_compile_duration")
+
+
+def _on_duration(event, seconds, **_):
+    if event in _COMPILE_EVENTS:
+        _compile_s[0] += seconds
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_duration)
+
+
+_reported = [0.0]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Each phase's report carries the compile seconds since the previous report of this worker."""
+    outcome = yield
+    outcome.get_result().user_properties.append(("compile_s", _compile_s[0] - _reported[0]))
+    _reported[0] = _compile_s[0]
+
+
+_times = {}  # nodeid -> [wall seconds, compile seconds]
+
+
+def pytest_runtest_logreport(report):
+    t = _times.setdefault(report.nodeid, [0.0, 0.0])
+    t[0] += report.duration
+    t[1] += dict(report.user_properties).get("compile_s", 0.0)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _times:
+        return
+    if os.environ.get("GLMJAX_TEST_TIMES"):  # every test's [wall, compile] seconds as JSON, for analysis
+        import json
+        with open(os.environ["GLMJAX_TEST_TIMES"], "w") as f:
+            json.dump(_times, f, indent=0)
+    write = terminalreporter.write_line
+    total = sum(t[0] for t in _times.values())
+    write(f"\nslowest tests (wall s, of which compiling in the test's own process; {total:.0f} s over all tests):")
+    for nodeid, (wall, comp) in sorted(_times.items(), key=lambda kv: -kv[1][0])[:15]:
+        write(f"{wall:8.1f} {comp:8.1f}  {nodeid}")
+    modules = {}
+    for nodeid, (wall, comp) in _times.items():
+        m = modules.setdefault(nodeid.split("::")[0], [0.0, 0.0, 0])
+        m[0] += wall
+        m[1] += comp
+        m[2] += 1
+    write("slowest modules (wall s, compile s, tests):")
+    for name, (wall, comp, n) in sorted(modules.items(), key=lambda kv: -kv[1][0])[:10]:
+        write(f"{wall:8.1f} {comp:8.1f} {n:4d}  {name}")

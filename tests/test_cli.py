@@ -105,3 +105,39 @@ def test_generate_loads_a_stage_workdir_and_an_hf_checkpoint(tmp_path):
         assert got.cfg == want.cfg
         a, b = jax.tree.leaves(nnx.state(got, nnx.Param)), jax.tree.leaves(nnx.state(want, nnx.Param))
         assert len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+LIBTPU_NOISE = ("Failed to find host bounds", "unexpected worker hostname", "libtpu", "TPU_WORKER_HOSTNAMES",
+                "Unable to initialize backend")
+
+
+@pytest.mark.slow
+def test_train_py_on_cpu_starts_clean_and_reruns_from_the_compilation_cache(tmp_path):
+    """`python train.py --config=configs/tiny.py` as a user runs it (no JAX_PLATFORMS, libtpu installed with the test
+    extra, no TPU attached): no libtpu initialisation line in its output. The per-user compilation cache is on by
+    default: the first run writes it, a rerun of the same stage in a new workdir adds no entry (it compiled
+    nothing), and --compilation_cache= leaves the cache directory untouched (off)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")}
+    env["GLMJAX_CACHE_DIR"] = cache = str(tmp_path / "cache")
+    flags = ["--config=configs/tiny.py", "--config.train.steps=2", "--config.train.seq_len=32",
+             "--config.train.batch_size=2", "--config.train.eval_batches=0", "--config.data.max_docs=20",
+             "--config.optim.warmup_steps=1"]
+
+    def train(name, *extra):
+        p = subprocess.run([sys.executable, "train.py", *flags, f"--workdir={tmp_path / name}", *extra], cwd=ROOT,
+                           env=env, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-3000:]
+        return p.stdout + p.stderr
+
+    def entries():
+        return set(os.listdir(cache)) if os.path.isdir(cache) else set()
+
+    out = train("cold")
+    assert not [line for line in out.splitlines() if any(n in line for n in LIBTPU_NOISE)], out[-3000:]
+    cold = entries()
+    assert len(cold) > 5, cold  # the train step, the evaluation of the state, model set-up's small programs
+    train("warm")
+    assert entries() == cold  # every program of the rerun came from the cache
+    env["GLMJAX_CACHE_DIR"] = str(tmp_path / "other")
+    train("off", "--compilation_cache=")
+    assert not os.path.exists(tmp_path / "other")

@@ -19,6 +19,7 @@ import sys
 import jax
 from flax import nnx
 
+from glmjax.cli.runtime import configure_jax
 from glmjax.config import ModelConfig
 from glmjax.data.chat import ChatTemplate
 from glmjax.data.tokenizer import make_tokenizer
@@ -67,7 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chat", action="store_true", help="render the prompt as one user message (chat template)")
     ap.add_argument("--mode", default="sparse", choices=("sparse", "dense"), help="attention of the decoder")
     ap.add_argument("--ids", action="store_true", help="also print the generated token ids (a JSON list)")
+    ap.add_argument("--compilation-cache", default=None, help="JAX's persistent compilation cache (default: "
+                    "~/.cache/glmjax/jax_cache, see glmjax/cli/runtime.py); empty = off")
     args = ap.parse_args(argv)
+    configure_jax(args.compilation_cache)
     try:
         tokenizer = make_tokenizer(args.tokenizer)
         ids = prompt_ids(tokenizer, args.prompt, args.chat)

@@ -20,8 +20,9 @@ from ml_collections import config_flags
 
 config_flags.DEFINE_config_file("config", "configs/tiny.py", "experiment config file (ML-collections)")
 flags.DEFINE_string("workdir", "runs/default", "output directory: config.json, metrics.jsonl, tb/, checkpoints/")
-flags.DEFINE_string("compilation_cache", None, "directory for JAX's persistent compilation cache (off if unset); "
-                    "saves the compile time of repeated runs")
+flags.DEFINE_string("compilation_cache", None, "directory of JAX's persistent compilation cache (default: "
+                    "$GLMJAX_CACHE_DIR, else ~/.cache/glmjax/jax_cache); --compilation_cache= turns it off. A rerun of "
+                    "a stage loads its compiled steps instead of compiling them (glmjax/cli/runtime.py)")
 flags.DEFINE_bool("dry_run", False, "compile every stage's train step ahead of time for --topology and print "
                   "whether it fits a chip and its memory per chip; trains nothing (also --dry-run)")
 flags.DEFINE_string("topology", None, "TPU topology for --dry-run, e.g. v5p:8x8x4 (256 v5p chips), v5e:2x4")
@@ -62,16 +63,15 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint file at INFO
-    import jax
+    from glmjax.cli.runtime import configure_jax
 
+    configure_jax(FLAGS.compilation_cache)
     from glmjax.config import ConfigError
     from glmjax.data.sources import DataError
     from glmjax.launch import run
     from glmjax.train.checkpoint import CheckpointError
     from glmjax.train.loop import DiskFull
 
-    if FLAGS.compilation_cache:
-        jax.config.update("jax_compilation_cache_dir", FLAGS.compilation_cache)
     errors = {ConfigError: ("config error", 2), DataError: ("data error", 2), CheckpointError: ("checkpoint error", 3),
               FloatingPointError: ("stopped", 1), DiskFull: ("stopped", 1)}
     try:
