@@ -56,6 +56,7 @@ def run_cli(argv, capsys):
     return lines[:-1], json.loads(lines[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tok", ["byte", "hf_chat"])
 def test_generate_matches_generate_called_directly(tmp_path, capsys, tok):
     model = GLM(tiny(vocab_size=259 if tok == "byte" else 600, num_nextn_predict_layers=0), nnx.Rngs(4))

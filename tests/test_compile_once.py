@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 
 from bench.stages import device_state, plain_jit_step
@@ -66,6 +67,7 @@ def compiles_per_step(step_fn, state, make_batch, steps=3):
     return counts
 
 
+@pytest.mark.slow
 def test_plain_jit_step_compiles_once_also_for_an_imported_model():
     """bench/stages.py's plain-jit step, and the same step on a model whose parameters are committed to the device
     as `load_hf` leaves them (with optax's fresh step counts uncommitted that one compiled again at step 2)."""

@@ -29,6 +29,7 @@ def reference():
     return context_reference()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(MESHES))
 def test_every_stage_equals_one_device(name, reference, monkeypatch):
     """Every stage's loss and every gradient (f32, <= 1e-5 relative), PPO's per-token log-probs and the top-k

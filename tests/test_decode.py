@@ -29,6 +29,7 @@ def full_logits(model, seq, mode, pad_to=None):
 _forward = nnx.jit(lambda m, b, mode: m(b, mode), static_argnums=2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["dense", "sparse"])
 def test_decode_steps_reproduce_the_full_forward(model, mode):
     rng = np.random.default_rng(0)
@@ -66,6 +67,7 @@ def test_cache_layout_keeps_no_indexer_cache_on_shared_layers(model):
     assert caches[0][0]["index_k"].shape == (1, 3, 16, cfg.index_head_dim)
 
 
+@pytest.mark.slow
 def test_greedy_generate_matches_a_naive_full_forward_loop(model):
     prompts = [[5, 17, 300, 42, 9, 9, 100, 7, 8, 1, 2, 3], [77, 78]]
     n_new = 14  # row 0 reaches 26 tokens > index_topk
@@ -127,6 +129,7 @@ def test_generate_rejects_bad_input(model):
         generate(dec, [[1, 2, 3]], 5, key=jax.random.key(0), max_len=6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["dense", "sparse"])
 def test_chunked_prefill_equals_the_full_forward(model, mode):
     seq = np.random.default_rng(5).integers(0, 512, 30).tolist()

@@ -102,6 +102,7 @@ def collective_shapes(hlo: str):
             yield [int(d) for d in dims.split(",") if d]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["dense", "sparse"])
 @pytest.mark.parametrize("name", sorted(MESHES))
 def test_decoder_on_mesh_equals_one_device(name, mode, model, seqs, reference, monkeypatch):
@@ -136,6 +137,7 @@ def assert_keeps_cache(dec: Decoder, caches):
     assert not moved, moved
 
 
+@pytest.mark.slow
 def test_pallas_decoder_on_mesh_equals_one_device(seqs, reference, monkeypatch):
     """attention_impl="pallas" on context=4 x expert=2 (the kernels interpreted, "fast"): a decode step runs the
     indexer top-k on each shard's slots and merges the candidates, and the sparse attention on each shard's

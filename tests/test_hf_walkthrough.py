@@ -154,3 +154,15 @@ def test_hf_checkpoint_to_post_trained_and_back(tmp_path, monkeypatch, capsys):
         text, got = capsys.readouterr().out.splitlines()
         assert got == json.dumps(want), (thing, text)
     assert summary["final_version"] == PPO_STEPS
+
+
+def test_inspect_reads_the_released_checkpoint(tmp_path, capsys):
+    """Step 1 and `glmjax-hf inspect` alone: the ModelConfig it prints has the saved checkpoint's shapes and the
+    tokenizer's vocabulary."""
+    hf_dir, tok = released_checkpoint(str(tmp_path))
+    assert hf_mod.main(["inspect", hf_dir]) == 0
+    out = capsys.readouterr().out
+    cfg = json.loads(out[:out.index("\n}") + 2])
+    assert cfg["vocab_size"] == tok.vocab_size
+    for k in ("hidden_size", "num_hidden_layers", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim"):
+        assert cfg[k] == HF_MODEL[k], k

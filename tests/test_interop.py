@@ -259,6 +259,7 @@ def assert_parity(model, hf_model, tok):
     return err
 
 
+@pytest.mark.slow
 def test_glm_parity_full_and_shared_layers(ckpts, tokens):
     hf_model, _, _, path = ckpts["glm"]
     model, layout = load_hf(path, overrides={"scan_layers": False})
@@ -269,6 +270,7 @@ def test_glm_parity_full_and_shared_layers(ckpts, tokens):
     print(f"glm_moe_dsa max |logit diff| = {err:.2e}")
 
 
+@pytest.mark.slow
 def test_dsv32_parity_halfsplit_indexer_yarn_groups(ckpts, tokens):
     hf_model, _, _, path = ckpts["ds"]
     model, _ = load_hf(path, overrides={"scan_layers": False})
@@ -369,6 +371,7 @@ def to_fused(src, dst):
         save_ckpt(dst, out, json.load(f))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["glm_f32", "glm_bf16", "glm_fused", "ds_copies"])
 def test_export_of_import_is_bit_exact(ckpts, tmp_path, variant):
     src = ckpts["ds" if variant == "ds_copies" else "glm"][3]
@@ -623,6 +626,7 @@ def with_config(src, dst, **fields):
     return dst
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind, flag", [("glm", "rope_interleave"), ("glm", "indexer_rope_interleave"),
                                         ("ds", "rope_interleave"), ("ds", "indexer_rope_interleave")])
 def test_rope_flags_transformers_ignores_are_ignored_with_a_warning(ckpts, tokens, tmp_path, caplog, kind, flag):

@@ -20,6 +20,7 @@ def forward(model, batch, mode):
     return nnx.jit(lambda m, b: m(b, mode))(model, batch)
 
 
+@pytest.mark.slow
 def test_shapes_and_dtypes(model):
     cfg = model.cfg
     b = random_batch(cfg, 2, 48)
@@ -53,6 +54,7 @@ def test_causality(model, mode):
     assert float(jnp.max(jnp.abs(l0[:, p:] - l1[:, p:]))) > 1e-3  # the change is visible from p on
 
 
+@pytest.mark.slow
 def test_indexshare_reuses_exactly_the_previous_full_layers_indices():
     cfg = tiny(scan_layers=False)
     model = GLM(cfg, nnx.Rngs(1))
@@ -74,6 +76,7 @@ def test_indexshare_reuses_exactly_the_previous_full_layers_indices():
     assert (seen[0][:, 20:] >= 0).all() and seen[0].shape == (2, 48, cfg.index_topk)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["dense", "sparse"])
 def test_packed_batch_gives_the_per_document_losses_of_documents_run_alone(model, mode):
     rng = np.random.default_rng(0)
@@ -102,6 +105,7 @@ def test_chunked_loss_equals_full_logits_loss(model):
         np.testing.assert_allclose(token_nll(h, model.lm_head[...], targets, chunk), full, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["dense", "sparse"])
 def test_mtp_loss_against_a_naive_loop_over_depths(model, mode):
     cfg = model.cfg
@@ -136,6 +140,7 @@ def test_mtp_loss_against_a_naive_loop_over_depths(model, mode):
     assert metrics["expert_load"].shape == (5 + cfg.mtp_depth, cfg.n_routed_experts)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["dense", "sparse"])
 def test_gradients_finite_in_bf16(mode):
     m = GLM(tiny(dtype="bfloat16", param_dtype="bfloat16"), nnx.Rngs(2))
@@ -146,6 +151,7 @@ def test_gradients_finite_in_bf16(mode):
     assert sum(float(jnp.sum(jnp.abs(g.astype(jnp.float32)))) for g in leaves) > 0
 
 
+@pytest.mark.slow
 def test_lm_loss_never_reaches_the_indexer_and_the_router_bias_is_not_a_param(model):
     b = random_batch(model.cfg, 2, 48, seed=8)
     grads = jit_once(nnx.grad(lambda m, b: m.loss(b, "sparse")[0]))(model, b)
@@ -156,6 +162,7 @@ def test_lm_loss_never_reaches_the_indexer_and_the_router_bias_is_not_a_param(mo
     assert "e_score_correction_bias" not in str(jax.tree_util.tree_structure(nnx.state(grads)))
 
 
+@pytest.mark.slow
 def test_compiled_program_size_does_not_grow_with_depth():
     def hlo_size(n_layers):
         cfg = tiny(num_hidden_layers=n_layers, indexer_types=None, index_topk_freq=2, index_skip_topk_offset=1)
@@ -191,6 +198,7 @@ def test_glm5_and_glm52_shapes_plan_into_few_stacks_and_count_exactly():
     assert count(glm5) - count(glm52) == 57 * 9_371_904
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("remat", ["full", "save_dots"])
 def test_remat_policies_give_the_same_loss_and_gradients(remat):
     b = random_batch(tiny(), 2, 32, seed=9)

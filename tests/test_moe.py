@@ -95,6 +95,7 @@ def test_moe_gradient_flows_to_experts_and_router_but_not_bias():
     assert "e_score_correction_bias" not in grads
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("M,E", [(37, 5), (256, 16), (3, 8)])
 def test_blocked_grouped_matmul_equals_ragged_dot_with_empty_groups(M, E):
     sizes = np.random.default_rng(M).multinomial(M, np.ones(E) / E).astype(np.int32)

@@ -62,3 +62,17 @@ def test_two_processes_train_checkpoint_restore_and_match_single_process(tmp_pat
         assert_close(f["logits"], logits)  # prefill, extend and decode steps, the caches split across processes
         np.testing.assert_array_equal(f["tokens"], tokens)  # greedy generate
         np.testing.assert_allclose(f["logprobs"], logprobs, rtol=1e-5, atol=1e-6)
+
+
+def test_a_coordinator_without_process_count_or_id_is_a_config_error(monkeypatch):
+    """The multi-host start names the missing field (config or environment) before JAX's distributed client starts."""
+    from glmjax.config import ConfigError
+    from glmjax.parallel import initialize_distributed
+
+    for name in ("GLMJAX_COORDINATOR_ADDRESS", "GLMJAX_NUM_PROCESSES", "GLMJAX_PROCESS_ID"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ConfigError, match="also needs parallel.num_processes \\(or \\$GLMJAX_NUM_PROCESSES\\)"):
+        initialize_distributed({"coordinator_address": "127.0.0.1:1234"})
+    with pytest.raises(ConfigError, match="also needs parallel.process_id"):
+        initialize_distributed({"coordinator_address": "127.0.0.1:1234", "num_processes": 2})
+    assert initialize_distributed({}) is False  # nothing asked: one process, nothing started

@@ -467,6 +467,7 @@ def fsdp_case(small):
     return params, two_steps, two_steps(lambda t: jax.device_put(t, jax.devices()[0]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("axis_type", ["explicit", "auto"])
 def test_fsdp_8_devices_equals_single_device(fsdp_case, axis_type):
     """Params, grads and state sharded over 8 CPU devices (each leaf on its first axis divisible by 8, else

@@ -89,6 +89,7 @@ def test_sparse_mla_grads_f32_checked():
     assert (~selected).any() and (dkv[~selected] == 0).all()  # keys nobody selected get no gradient
 
 
+@pytest.mark.slow
 def test_sparse_mla_multi_chunk_and_bf16_fast():
     """3 chunks of online softmax (the table's single chunk: the checked tests above), batch 2, f32 and both bf16
     layouts, forward and backward."""
@@ -169,6 +170,7 @@ def long_cache_inputs(dtype, S, K, seed=0):
     (jnp.bfloat16, "packed", False, 4),  # uint32 words split in the kernel
     (jnp.bfloat16, None, None, 2),  # decode: the automatic layout ("pairs"), forward only
 ])
+@pytest.mark.slow
 def test_sparse_mla_long_cache_checked(dtype, layout, in_vmem, S):
     """T = 20,000 > 16,384 against the XLA reference, forward and backward (dq, dkv; decode: forward), in the checked
     interpreter (DMA race detection, DMAs executed when waited on). k = 12 in chunks of 8 (two chunks, read
@@ -347,6 +349,7 @@ def test_index_topk_score_gradients():
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["checked", "fast"])
 def test_kernels_under_remat(mode):
     """Both kernels inside jax.checkpoint (nothing saved, as model.remat="full") under jax.grad: the "checked"

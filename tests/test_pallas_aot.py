@@ -16,6 +16,7 @@ CASES = [("v5e:2x2", "sparse_mla", dict(S=8192)),
          ("v5p:2x2x1", "sparse_mla_fwd", dict(S=16, T=M)), ("v5p:2x2x1", "index_topk", dict(S=16, T=M))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("topology,kernel,shapes", CASES,
                          ids=[f"{k}-S{s['S']}-T{s.get('T', s['S'])}" for _, k, s in CASES])
 def test_glm5_kernels_compile_for_tpu(topology, kernel, shapes):

@@ -137,6 +137,7 @@ def bytes_on_device0(tree) -> int:
 
 
 # data8 (pure data parallelism, replicated parameters) is left out for time: every mesh here splits the batch too
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n in MESHES if n != "data8"])
 def test_sharded_train_step_equals_single_device(name, reference):
     cfg = small_cfg()
@@ -298,6 +299,7 @@ def moe_setup(**kw):
     return cfg, nnx.state(moe)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, dispatch", [("fsdp4_tensor2", "all_to_all"), ("expert4_data2", "all_to_all"),
                                             ("expert4_data2", "ragged_all_to_all"),
                                             ("fsdp2_expert2_tensor2", "ragged_all_to_all")])
@@ -324,6 +326,7 @@ def test_sharded_moe_pads_a_token_count_the_mesh_does_not_divide():
     np.testing.assert_array_equal(load1, load0)  # the padding rows are not counted
 
 
+@pytest.mark.slow
 def test_moe_tokens_flatten_without_moving_data_when_the_sequence_is_split(monkeypatch):
     """expert=2 x context=4, 4 rows per expert shard: `flatten_tokens` hands the experts' shard_map each device's
     own tokens as one block of rows with no collective (a plain [B,S,D] -> [B*S,D] reshape needs them: the
@@ -393,6 +396,7 @@ def capacity_reference(cfg, state, y, n_shards, ep, cap, dispatch):
     return out, int((~kept).sum())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dispatch", ["all_to_all", "ragged_all_to_all"])
 def test_capacity_factor_drops_exactly_the_rows_past_capacity(dispatch, monkeypatch):
     monkeypatch.setattr(moe_mod, "ragged_all_to_all", emulated_ragged_all_to_all)

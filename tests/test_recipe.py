@@ -74,3 +74,15 @@ def test_tiny_recipe_chains_all_four_stages(tmp_path):
     # finished stages are skipped when the command runs again
     again = run(c, str(tmp_path), progress=False)
     assert again["indexshare"]["step"] == 25
+
+
+def test_a_bad_later_stage_stops_the_recipe_before_its_first_stage_runs(tmp_path):
+    """Every stage's config is checked before anything runs: an index_topk beyond indexshare's sequence fails up
+    front, naming the field, and no stage has written anything."""
+    from glmjax.config import ConfigError
+
+    c = recipe_tiny.get_config()
+    c.stages.indexshare.model = {**c.stages.indexshare.model, "index_topk": 10_000}
+    with pytest.raises(ConfigError, match="index_topk"):
+        run(c, str(tmp_path), progress=False)
+    assert os.listdir(tmp_path) == []

@@ -219,6 +219,7 @@ def small_model():
                nnx.Rngs(3))
 
 
+@pytest.mark.slow
 def test_loss_and_grads_identical_for_any_micro_batch_and_device_split():
     """Actor and critic (loss sums, gradients) accumulated over micro-batches x data-parallel devices equal the
     single-shot values, for the global token mean and the per-sequence mean; the loss equals an independent plain
@@ -287,6 +288,7 @@ def test_token_logprobs_and_values_are_read_one_position_earlier():
     assert np.all(np.asarray(lp[:, 0]) == 0)
 
 
+@pytest.mark.slow
 def test_critic_values_alignment_and_zero_init(small_model):
     from glmjax.model import Batch
     tok = jnp.asarray(np.random.default_rng(1).integers(0, 256, (2, 9)).astype(np.int32))
@@ -301,6 +303,7 @@ def test_critic_values_alignment_and_zero_init(small_model):
     assert np.all(np.asarray(v[:, 0]) == 0)
 
 
+@pytest.mark.slow
 def test_rl_trains_neither_the_indexer_nor_mtp():
     model = GLM(tiny(), nnx.Rngs(0))  # has MTP and indexers
     paths = lambda f: {"/".join(map(str, k)) for k, _ in nnx.to_flat_state(nnx.split(model, f, ...)[1])}
@@ -483,6 +486,7 @@ def test_rollout_statuses_crash_and_truncation():
     assert b.status == "truncated" and len(b.response) == 14 and b.reward == 0
 
 
+@pytest.mark.slow
 def test_rollout_logprobs_match_the_trainer(small_model):
     """Token in / token out: the trainer's log-probs of the stored tokens equal the sampler's (sparse attention,
     sequences longer than index_topk, so the deterministic top-k really selects), temperature applied to both."""
@@ -510,6 +514,7 @@ def test_rollout_logprobs_match_the_trainer(small_model):
         assert data["rewards"][b, last] == s.reward and data["rewards"][b].sum() == s.reward
 
 
+@pytest.mark.slow
 def test_target_kl_stops_the_actor_updates_of_a_step(small_model):
     """The trust-region stop: with target_kl far below the KL one update causes, a PPO step applies exactly one
     actor update (the first mini-batch is measured at pi_old itself: KL 0) and skips the rest, while the critic

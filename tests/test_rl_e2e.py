@@ -1,4 +1,4 @@
-"""End-to-end PPO on CPU (slow): a tiny GLM (2 layers: MLA + DSA sparse attention + MoE + IndexShare) is briefly
+"""End-to-end PPO on CPU (slow, but for the options run): a tiny GLM (2 layers: MLA + DSA sparse attention + MoE + IndexShare) is briefly
 supervised on a task with its own LM loss, handed to `train_ppo` through the `load_params` hook (the path a
 checkpoint loader takes), and trained with critic PPO and asynchronous rollouts."""
 import json
@@ -25,7 +25,6 @@ from glmjax.rl.tasks import exact_reward
 from glmjax.rl.warmup import supervised_warmup
 from helpers import TINY
 
-pytestmark = pytest.mark.slow
 MODEL = {**TINY, "num_hidden_layers": 2, "indexer_types": ("full", "shared"), "n_routed_experts": 8,
          "num_experts_per_tok": 2, "num_nextn_predict_layers": 0, "block_q": 256, "loss_chunk": 512}
 
@@ -101,6 +100,7 @@ def check_learning(r: dict):
     assert r["explained_variance"] > MARGINS["explained_variance"], r
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("seed", SEEDS)
 def test_ppo_raises_heldout_accuracy_and_the_critic_learns(seed, tmp_path):
@@ -115,6 +115,7 @@ def test_ppo_raises_heldout_accuracy_and_the_critic_learns(seed, tmp_path):
     assert r["final_version"] == 100 - 10 and r["max_staleness"] <= 1  # async: one step of lag
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_ppo_learns_with_another_float_stream(tmp_path):
     """The same run with XLA on one CPU thread and one device (taskset -c 0, Eigen's thread pool off) in a
@@ -142,6 +143,7 @@ def test_ppo_learns_with_another_float_stream(tmp_path):
     assert here != runs[0]["sft_losses"]  # really another float stream (not bitwise the in-process one)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_documented_demo_learns(tmp_path):
     """The README's `python train.py --config=configs/ppo_tiny.py` (through train.py's entry, `glmjax.launch.run`,
@@ -161,6 +163,7 @@ def test_documented_demo_learns(tmp_path):
     assert np.mean([r["reward_mean"] for r in rows[-20:]]) >= np.mean([r["reward_mean"] for r in rows[:10]]) + 0.15
 
 
+@pytest.mark.slow
 def test_tool_env_reading_the_protected_answer_never_raises_reward(tmp_path):
     """A policy warmed up on demonstrations that half the time solve with the calculator and half the time read the
     protected answer file (recorded without an interceptor, so there the hack works). Negative control first: the

@@ -2,6 +2,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 from helpers import FAST, tiny
 
@@ -16,6 +17,7 @@ def rand(key, shape, scale=1.0):
     return jnp.asarray(np.random.default_rng(key).normal(0.0, scale, shape), jnp.float32)
 
 
+@pytest.mark.slow
 def test_chunked_sparse_layers_equal_the_unchunked_layers(monkeypatch):
     """A full layer (own indexer) and the shared layer after it (IndexShare: the full layer's top-k): outputs, the
     indexer KL toward both layers' mean attention (docs/model.md E.4) and the gradients of sum(out * ct) + KL

@@ -106,6 +106,7 @@ def test_sparse_attention_target_is_the_head_mean_softmax_over_the_selected_keys
         assert (got[0, s, len(sel):] == 0).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["dense", "sparse"])
 def test_gradient_routing(mode):
     """docs/model.md E.2/E.3: the indexer KL reaches only indexer weights; the LM (+MTP) loss never reaches them."""
@@ -133,6 +134,7 @@ def test_gradient_routing(mode):
     assert sum(lm[n] > 0 for n in lm if n not in indexer) > 0.9 * (len(lm) - len(indexer))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["dense", "sparse"])
 def test_full_layer_distils_toward_the_mean_attention_of_the_layers_it_serves(mode, monkeypatch):
     """docs/model.md E.4 with IndexShare F S F S F S: each unit's KL is taken against the mean of both layers' attention
@@ -173,6 +175,7 @@ def test_full_layer_distils_toward_the_mean_attention_of_the_layers_it_serves(mo
         assert captured[0][1].shape == (2, S, cfg.index_topk)  # sparse E.3: over the selected keys only
 
 
+@pytest.mark.slow
 def test_surgery_across_indexshare_patterns_and_from_a_dense_checkpoint():
     cfg = tiny(indexer_types=ALL_FULL)
     src = GLM(cfg, nnx.Rngs(0))
@@ -227,6 +230,7 @@ def test_topk_overlap_against_python_sets():
     np.testing.assert_allclose(float(got[0]), np.mean(ref), rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_nan_step_is_skipped_and_changes_nothing():
     import optax
 

@@ -52,6 +52,7 @@ def forced(layer, E=16, K=4):
     return set((layer + np.arange(K)) % E)
 
 
+@pytest.mark.slow
 def test_router_bias_slots_follow_the_expert_load_rows():
     cfg = ModelConfig.from_dict(BIAS_CFG)
     model = GLM(cfg, nnx.Rngs(0))
@@ -79,6 +80,7 @@ def test_router_bias_slots_follow_the_expert_load_rows():
         assert load[row].sum() == B * S * 4
 
 
+@pytest.mark.slow
 def test_update_router_bias_sign_rule():
     cfg = ModelConfig.from_dict(BIAS_CFG)
     model = GLM(cfg, nnx.Rngs(0))

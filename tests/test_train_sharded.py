@@ -41,3 +41,14 @@ def test_sharded_training_matches_one_device(tmp_path):
     assert json.load(open(tmp_path / "mesh" / "config.json"))["parallel"]["fsdp"] == 2
     np.testing.assert_allclose(b, a, rtol=2e-4)
     assert mesh["skipped_steps"] == one["skipped_steps"] == 0
+
+
+def test_a_mesh_that_does_not_use_the_devices_is_a_config_error(tmp_path):
+    """A mesh whose axes multiply to more devices than the run has stops before anything is built or written."""
+    from glmjax.config import ConfigError
+
+    c = tiny.get_config()
+    c.parallel.update(num_devices=4, data=2, fsdp=2, tensor=2)
+    with pytest.raises(ConfigError, match="parallel: mesh .* has 8 devices, there are 4"):
+        run(c, str(tmp_path / "mesh"), progress=False)
+    assert not os.path.exists(tmp_path / "mesh" / "checkpoints")
