@@ -12,6 +12,7 @@ in new workdirs; wall and CPU seconds of the whole process beside it, the 1-minu
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import resource
@@ -24,6 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STAGES = ("pretrain", "dense_warmup", "sparse_adapt", "indexshare")
 FLAGS = ["--config.train.steps=2", "--config.train.log_every=1", "--config.train.eval_every=0",
          "--config.train.eval_batches=0", "--config.train.checkpoint_every=1000"]
+WARMUP = "warmup_steps=1"  # the optimizer's warm-up must be shorter than the 2 steps
 
 
 def first_record(path: str) -> bool:
@@ -33,8 +35,22 @@ def first_record(path: str) -> bool:
         return any('"loss"' in line for line in f)
 
 
+def stage_flags(config: str, stage: str) -> list[str]:
+    """FLAGS, plus the same values for the fields the config sets per stage (`stages.<stage>.train.steps` would
+    win over `train.steps`)."""
+    sys.path.insert(0, ROOT)
+    module = importlib.import_module(os.path.splitext(config)[0].replace(os.sep, "."))
+    own = module.get_config().get("stages", {}).get(stage, {}).get("train", {})
+    extra = [f"--config.stages.{stage}.train.{f[len('--config.train.'):]}" for f in FLAGS
+             if f[len("--config.train."):].split("=")[0] in own]
+    optim = module.get_config().get("stages", {}).get(stage, {}).get("optim", {})
+    extra += [f"--config.optim.{WARMUP}"] + ([f"--config.stages.{stage}.optim.{WARMUP}"] if "warmup_steps" in optim
+                                             else [])
+    return FLAGS + extra
+
+
 def run_stage(config: str, stage: str, workdir: str, init_from: str | None, env: dict) -> dict:
-    cmd = [sys.executable, "train.py", f"--config={config}", f"--config.stage={stage}", *FLAGS,
+    cmd = [sys.executable, "train.py", f"--config={config}", f"--config.stage={stage}", *stage_flags(config, stage),
            f"--workdir={workdir}"] + ([f"--config.init_from={init_from}"] if init_from else [])
     cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()

@@ -55,7 +55,9 @@ def metrics(workdir):
 
 # ----------------------------------------------------------------------------------- PPO learns, for any seed
 
-SEEDS = (0, 1)  # in this process; seed 2 in the one-thread float stream (GLMJAX_E2E_SEEDS: any seeds there)
+# The suite: seed 1 in this process, seed 2 in the one-thread float stream (two seeds, two float streams);
+# GLMJAX_E2E_SEEDS=0,1,2 runs those seeds in both (docs/ppo.md's six runs).
+SEEDS = tuple(int(s) for s in os.environ.get("GLMJAX_E2E_SEEDS", "1").split(","))
 ACTOR_LR = 2e-4
 LEARNING = dict(task_args={"low": 0, "high": 9, "ops": "+", "max_result": 9}, heldout_fraction=0.3, steps=100,
                 prompts_per_step=16, group_size=4, max_prompt_len=6, max_response_len=4, ppo_epochs=2,
@@ -120,8 +122,8 @@ def test_ppo_raises_heldout_accuracy_and_the_critic_learns(seed, tmp_path):
 def test_ppo_learns_with_another_float_stream(tmp_path):
     """The same run with XLA on one CPU thread and one device (taskset -c 0, Eigen's thread pool off) in a
     subprocess: a different float stream (its warm-up losses differ from this process's for the same seed), the
-    same margins. Seed 2 here (seeds 0 and 1 run in this process: three seeds, two float streams, within the suite's
-    time budget); GLMJAX_E2E_SEEDS=0,1,2 runs the three seeds of docs/ppo.md's table."""
+    same margins. Seed 2 here (seed 1 runs in this process: two seeds, two float streams, within the suite's time
+    budget); GLMJAX_E2E_SEEDS=0,1,2 runs the three seeds of docs/ppo.md's table in both streams."""
     seeds = tuple(int(s) for s in os.environ.get("GLMJAX_E2E_SEEDS", "2").split(","))
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1 --xla_cpu_multi_thread_eigen=false",
            "JAX_PLATFORMS": "cpu"}
