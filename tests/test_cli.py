@@ -117,17 +117,19 @@ def test_train_py_on_cpu_starts_clean_and_reruns_from_the_compilation_cache(tmp_
     """`python train.py --config=configs/tiny.py` as a user runs it (no JAX_PLATFORMS, libtpu installed with the test
     extra, no TPU attached): no libtpu initialisation line in its output. The per-user compilation cache is on by
     default: the first run writes it, a rerun of the same stage in a new workdir adds no entry (it compiled
-    nothing), and --compilation_cache= leaves the cache directory untouched (off)."""
+    nothing), and --compilation_cache= leaves the cache directory untouched (off): that run, a resume refused for a
+    changed batch size (summary.json removed), gets as far as compiling the model's initialiser (10 s and more: cached if the cache were
+    on) without the cost of compiling a train step."""
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")}
     env["GLMJAX_CACHE_DIR"] = cache = str(tmp_path / "cache")
     flags = ["--config=configs/tiny.py", "--config.train.steps=2", "--config.train.seq_len=32",
              "--config.train.batch_size=2", "--config.train.eval_batches=0", "--config.data.max_docs=20",
              "--config.optim.warmup_steps=1"]
 
-    def train(name, *extra):
+    def train(name, *extra, rc=0):
         p = subprocess.run([sys.executable, "train.py", *flags, f"--workdir={tmp_path / name}", *extra], cwd=ROOT,
                            env=env, capture_output=True, text=True, timeout=300)
-        assert p.returncode == 0, p.stderr[-3000:]
+        assert p.returncode == rc, p.stderr[-3000:]
         return p.stdout + p.stderr
 
     def entries():
@@ -140,5 +142,7 @@ def test_train_py_on_cpu_starts_clean_and_reruns_from_the_compilation_cache(tmp_
     train("warm")
     assert entries() == cold  # every program of the rerun came from the cache
     env["GLMJAX_CACHE_DIR"] = str(tmp_path / "other")
-    train("off", "--compilation_cache=")
+    os.remove(tmp_path / "warm" / "summary.json")  # as if killed after its last checkpoint: the model is created
+    out = train("warm", "--compilation_cache=", "--config.train.batch_size=4", rc=2)
+    assert "checkpoint step 2 was written with a different config" in out and "batch_size: 2 -> 4" in out, out[-3000:]
     assert not os.path.exists(tmp_path / "other")

@@ -82,13 +82,14 @@ def one_line_error(rc, out, code, *names):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("flag,field", [("--config.optim.name=muon", "optim.name"),
-                                        ("--config.model.intermediate_size=128", "model.intermediate_size"),
-                                        ("--config.train.batch_size=4", "train.batch_size")])
-def test_changed_config_stops_and_moves_nothing(interrupted, flag, field):
+def test_changed_config_stops_and_moves_nothing(interrupted):
+    """Three changed fields of three sections (optimizer, model shape, batch) in one launch: the refusal names every
+    one of them (the check diffs all fingerprinted fields, so each is detected on its own)."""
     before = snapshot(interrupted)
-    rc, out = train(interrupted, flag)
-    one_line_error(rc, out, 2, field, "on_config_change=fresh", "new --workdir")
+    rc, out = train(interrupted, "--config.optim.name=muon", "--config.model.intermediate_size=128",
+                    "--config.train.batch_size=4")
+    one_line_error(rc, out, 2, "3 field(s)", "optim.name", "model.intermediate_size", "train.batch_size",
+                   "on_config_change=fresh", "new --workdir")
     assert snapshot(interrupted) == before
     assert not os.path.exists(os.path.join(interrupted, "corrupt_checkpoints"))
 
@@ -339,22 +340,6 @@ def test_unusable_workdir_ends_in_one_named_line(tmp_path, kind):
 
 
 # ------------------------------------------------------------------------ fault injection, disk full, log hygiene
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_fault_injection_kill9_resume_bitwise(tmp_path):
-    """bench/fault_injection.py: kill -9 at random moments mid-training (seeded), each workdir resumed to the end;
-    every loss record bitwise equal to one uninterrupted reference run's. One kill here (each costs train.py
-    start-ups, and the suite is near its time budget); the documented run with --kills 10 is in docs/benchmarks.md."""
-    p = subprocess.run([sys.executable, "bench/fault_injection.py", "--kills", "1", "--seed", "1",
-                        "--max-kills-per-workdir", "1", f"--dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=880)
-    out = p.stdout + p.stderr
-    assert p.returncode == 0, out[-4000:]
-    assert "1 kills in" in out and "all losses bitwise identical" in out, out[-4000:]
-    rows = [line.split() for line in p.stdout.splitlines() if line.strip()[:1].isdigit() and "run" in line]
-    assert len(rows) == 1 and all(r[-1] == "yes" for r in rows), out[-4000:]
 
 
 @pytest.fixture
