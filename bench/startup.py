@@ -40,12 +40,11 @@ def stage_flags(config: str, stage: str) -> list[str]:
     win over `train.steps`)."""
     sys.path.insert(0, ROOT)
     module = importlib.import_module(os.path.splitext(config)[0].replace(os.sep, "."))
-    own = module.get_config().get("stages", {}).get(stage, {}).get("train", {})
+    own = module.get_config().get("stages", {}).get(stage, {})
     extra = [f"--config.stages.{stage}.train.{f[len('--config.train.'):]}" for f in FLAGS
-             if f[len("--config.train."):].split("=")[0] in own]
-    optim = module.get_config().get("stages", {}).get(stage, {}).get("optim", {})
-    extra += [f"--config.optim.{WARMUP}"] + ([f"--config.stages.{stage}.optim.{WARMUP}"] if "warmup_steps" in optim
-                                             else [])
+             if f[len("--config.train."):].split("=")[0] in own.get("train", {})]
+    extra += [f"--config.optim.{WARMUP}"] + ([f"--config.stages.{stage}.optim.{WARMUP}"]
+                                             if "warmup_steps" in own.get("optim", {}) else [])
     return FLAGS + extra
 
 
@@ -88,8 +87,8 @@ def main():
             r = run_stage(args.config, stage, workdir, previous, env)
             rows.append({"cache": temperature, **r})
             previous = workdir
-            print(f"{temperature:4s} {stage:13s} first step {r['first_step_s']:6.1f} s   process {r['process_wall_s']:6.1f} s "
-                  f"wall, {r['process_cpu_s']:6.1f} s CPU", flush=True)
+            print(f"{temperature:4s} {stage:13s} first step {r['first_step_s']:6.1f} s   process "
+                  f"{r['process_wall_s']:6.1f} s wall, {r['process_cpu_s']:6.1f} s CPU", flush=True)
     result = {"config": args.config, "load_before": load_before, "load_after": os.getloadavg()[0], "rows": rows}
     print(f"load average (1 min) {result['load_before']:.2f} before, {result['load_after']:.2f} after")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

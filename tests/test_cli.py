@@ -117,9 +117,9 @@ def test_train_py_on_cpu_starts_clean_and_reruns_from_the_compilation_cache(tmp_
     """`python train.py --config=configs/tiny.py` as a user runs it (no JAX_PLATFORMS, libtpu installed with the test
     extra, no TPU attached): no libtpu initialisation line in its output. The per-user compilation cache is on by
     default: the first run writes it, a rerun of the same stage in a new workdir adds no entry (it compiled
-    nothing), and --compilation_cache= leaves the cache directory untouched (off): that run, a resume refused for a
-    changed batch size (summary.json removed), gets as far as compiling the model's initialiser (10 s and more: cached if the cache were
-    on) without the cost of compiling a train step."""
+    nothing), and --compilation_cache= leaves the cache directory untouched (off). That last run is a resume refused
+    for a changed batch size (summary.json removed): it compiles the model's initialiser (10 s and more, cached were
+    the cache on) but no train step."""
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")}
     env["GLMJAX_CACHE_DIR"] = cache = str(tmp_path / "cache")
     flags = ["--config=configs/tiny.py", "--config.train.steps=2", "--config.train.seq_len=32",

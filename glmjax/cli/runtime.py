@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 
+
 def default_cache_dir() -> str:
     if os.environ.get("GLMJAX_CACHE_DIR"):
         return os.environ["GLMJAX_CACHE_DIR"]

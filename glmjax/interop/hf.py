@@ -568,9 +568,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="BF16", choices=("BF16", "F32", "F16"), help="without hf_layout.json")
     p.add_argument("--max-shard-size", default="5GB")
     p.add_argument("--overwrite", action="store_true")
-    for p in sub.choices.values():
-        p.add_argument("--compilation-cache", default=None, help="JAX's persistent compilation cache (default: "
-                       "~/.cache/glmjax/jax_cache, see glmjax/cli/runtime.py); empty = off")
+    for sp in sub.choices.values():
+        sp.add_argument("--compilation-cache", default=None, help="JAX's persistent compilation cache (default: "
+                        "~/.cache/glmjax/jax_cache, see glmjax/cli/runtime.py); empty = off")
     args = ap.parse_args(argv)
     configure_jax(args.compilation_cache)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
