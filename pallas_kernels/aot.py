@@ -16,6 +16,7 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from jax.experimental.compilation_cache.compilation_cache import reset_cache  # noqa: E402
 from jax.experimental.layout import Format, Layout  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
@@ -85,10 +86,14 @@ def compile_kernel(topology: str, kernel: str, shapes: dict | None = None):
 def compile_uncached(lowered):
     """`lowered.compile()` with the persistent compilation cache off: an executable compiled for a described
     topology (no chips attached) is written to the cache but cannot be loaded back -- JAX warns "PjRtCompiler must be
-    constructed with a Client" and compiles again."""
+    constructed with a Client" and compiles again. JAX decides once per process whether the cache is used, so the
+    flag alone changes nothing after the first compile: `reset_cache` makes it decide again, on the way in (off) and
+    on the way out (as before)."""
     enabled = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
+    reset_cache()
     try:
         return lowered.compile()
     finally:
         jax.config.update("jax_enable_compilation_cache", enabled)
+        reset_cache()
