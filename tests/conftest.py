@@ -34,6 +34,25 @@ def ref(tok_dir):
     return AutoTokenizer.from_pretrained(tok_dir)
 
 
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory):
+    """test_reliability.py's 10-step reference run (checkpoints 2-10, all kept), launched once per test run and
+    shared by the xdist workers (the first to ask builds it under a file lock; the others wait and reuse it) and by
+    test_resume.py. Tests copy it before they write."""
+    from filelock import FileLock
+
+    from test_reliability import finish, launch
+
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    root = tmp_path_factory.getbasetemp().parent if worker else tmp_path_factory.getbasetemp()
+    workdir = os.path.join(root, "reference_run")
+    with FileLock(workdir + ".lock"):
+        if not os.path.exists(os.path.join(workdir, "summary.json")):
+            rc, out = finish(launch(workdir))
+            assert rc == 0, out[-3000:]
+    return workdir
+
+
 def pytest_collection_modifyitems(config, items):
     """Modules with a `slow` test run first (each module's tests stay together, in order, so module fixtures are
     built once): the two xdist workers start on the long tests and finish together on the short ones."""

@@ -1,7 +1,7 @@
-"""train.py survives interruptions: SIGTERM writes a checkpoint and exits 0, a truncated newest checkpoint is
-skipped, a NaN never reaches a checkpoint, and invalid configs fail up front naming the field. (kill -9 at random
-moments, then resume with bitwise the same losses: the fault-injection test here; resuming bitwise from a
-committed checkpoint: test_resume.py's flipped-bytes test.)"""
+"""train.py survives interruptions: SIGTERM writes a checkpoint and exits 0, kill -9 at random moments resumes with
+bitwise the same losses (the fault-injection test), checkpoints damaged three ways (truncated, flipped bytes, an
+unreadable optimizer state) are set aside and the previous one resumes bitwise, a NaN never reaches a checkpoint,
+and invalid configs fail up front naming the field."""
 import json
 import os
 import signal
@@ -64,14 +64,6 @@ def wait_for_step(p, workdir, step, timeout=600):
     raise AssertionError("timed out")
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    workdir = str(tmp_path_factory.mktemp("reference"))
-    rc, out = finish(launch(workdir))
-    assert rc == 0, out[-3000:]
-    return workdir
-
-
 def model_state(workdir, step):
     ck = Checkpoints(workdir)
     try:
@@ -120,28 +112,57 @@ def test_fault_injection_kill9_resume_bitwise(reference, tmp_path):
     assert not os.path.exists(os.path.join(tmp_path, "reference"))  # the module's reference served
 
 
+def flip(path, n=64):
+    data = bytearray(open(path, "rb").read())
+    for i in np.linspace(0, len(data) - 1, n).astype(int):
+        data[i] ^= 0xFF
+    open(path, "wb").write(bytes(data))
+
+
+def files_under(directory):
+    return [os.path.join(d, f) for d, _, fs in os.walk(directory) for f in fs]
+
+
 @pytest.mark.slow
-def test_truncated_newest_checkpoint_is_skipped(reference, tmp_path):
+def test_three_kinds_of_damage_are_set_aside_and_the_run_resumes_bitwise(reference, tmp_path):
+    """A copy of the reference run (checkpoints 2-10, killed before summary.json) with its three newest steps damaged
+    three ways, each caught by its own check: step 10's model files truncated (sizes), 64 bytes of step 8's largest
+    model file flipped (checksums), step 6's optimizer state flipped with its manifest removed (unsealed, so orbax
+    really reads it and fails). Loading the weights alone skips 10 and 8, warns about each and moves nothing; the
+    launch names each damage once, sets the three steps aside, prints no orbax/tensorstore traceback ("Event loop is
+    closed"), resumes from step 4 and logs bitwise the reference's losses."""
     import shutil
 
     workdir = str(tmp_path / "run")
     shutil.copytree(reference, workdir)
     os.remove(os.path.join(workdir, "summary.json"))
-    newest = os.path.join(workdir, "checkpoints", str(STEPS), "model")
-    for root, _, files in os.walk(newest):
-        for f in files:
-            path = os.path.join(root, f)
-            with open(path, "r+b") as fh:
-                fh.truncate(max(os.path.getsize(path) // 3, 0))
+    step_dir = lambda step: os.path.join(workdir, "checkpoints", str(step))  # noqa: E731
+    for path in files_under(os.path.join(step_dir(10), "model")):
+        with open(path, "r+b") as fh:
+            fh.truncate(os.path.getsize(path) // 3)
+    flipped = max(files_under(os.path.join(step_dir(8), "model")), key=os.path.getsize)
+    flip(flipped)
+    big = [f for f in files_under(os.path.join(step_dir(6), "opt_state")) if os.path.getsize(f) > 1 << 20]
+    assert big
+    for path in big:
+        flip(path, 4096)
+    os.remove(os.path.join(step_dir(6), "manifest.json"))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _, meta, step = load_model_state(workdir)
-    assert step == STEPS - 2 and meta["step"] == STEPS - 2
-    assert any(f"checkpoints/{STEPS} is damaged" in str(w.message) for w in caught)
+    assert step == 6 and meta["step"] == 6  # step 6's weights are intact
+    damaged = [str(w.message) for w in caught if "is damaged" in str(w.message)]
+    assert len(damaged) == 2 and "checkpoints/10 " in damaged[0] and "checkpoints/8 " in damaged[1], damaged
+    assert not os.path.exists(os.path.join(workdir, "corrupt_checkpoints"))
     rc, out = finish(launch(workdir))
     assert rc == 0, out[-3000:]
-    assert f"resumed from {os.path.join(workdir, 'checkpoints', str(STEPS - 2))}" in out
-    assert losses(workdir) == losses(reference)
+    assert "Traceback" not in out and "Event loop is closed" not in out, out[-3000:]
+    assert out.count("checkpoints/10 is damaged") == 1, out[-3000:]
+    assert f"checkpoints/8 is damaged: file {os.path.relpath(flipped, step_dir(8))} fails its checksum" in out
+    assert out.count("checkpoints/6 is damaged: unreadable") == 1, out[-3000:]
+    assert f"resumed from {step_dir(4)}" in out
+    assert len(os.listdir(os.path.join(workdir, "corrupt_checkpoints"))) == 3
+    assert losses(workdir) == losses(reference)  # bitwise
 
 
 @pytest.mark.slow

@@ -15,16 +15,15 @@ import pytest
 
 from glmjax.train.checkpoint import CheckpointError, Checkpoints
 
-from test_reliability import FLAGS, ROOT, losses
+from test_reliability import FLAGS, ROOT, flip, losses
 
-STEPS = 4
-BASE = [f for f in FLAGS if "train.steps" not in f] + [f"--config.train.steps={STEPS}"]
+STEPS = 10  # the shared reference run (conftest.py): checkpoints at 2, 4, ..., 10
 
 
 def train(workdir, *extra, devices=1, timeout=600):
     cache = os.environ.get("GLMJAX_TEST_CACHE", os.path.join("/tmp", "glmjax_jax_cache"))
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
-    p = subprocess.run([sys.executable, "train.py", *BASE, *extra, f"--workdir={workdir}",
+    p = subprocess.run([sys.executable, "train.py", *FLAGS, *extra, f"--workdir={workdir}",
                         f"--compilation_cache={cache}"], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=timeout)
     return p.returncode, p.stdout + p.stderr
@@ -41,29 +40,13 @@ def snapshot(workdir):
     return out
 
 
-@pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    """A finished 4-step run with checkpoints at steps 2 and 4."""
-    workdir = str(tmp_path_factory.mktemp("base"))
-    rc, out = train(workdir)
-    assert rc == 0, out[-3000:]
-    return workdir
-
-
 @pytest.fixture
-def interrupted(base, tmp_path):
-    """A copy of the base run that has not written summary.json (as if killed after its last checkpoint)."""
+def interrupted(reference, tmp_path):
+    """A copy of the reference run that has not written summary.json (as if killed after its last checkpoint)."""
     workdir = str(tmp_path / "run")
-    shutil.copytree(base, workdir)
+    shutil.copytree(reference, workdir)
     os.remove(os.path.join(workdir, "summary.json"))
     return workdir
-
-
-def flip(path, n=64):
-    data = bytearray(open(path, "rb").read())
-    for i in np.linspace(0, len(data) - 1, n).astype(int):
-        data[i] ^= 0xFF
-    open(path, "wb").write(bytes(data))
 
 
 def largest_file(step_dir, under="model"):
@@ -95,11 +78,13 @@ def test_changed_config_stops_and_moves_nothing(interrupted):
 
 
 @pytest.mark.slow
-def test_finished_stage_with_changed_config_stops(base):
-    before = snapshot(base)
-    rc, out = train(base, "--config.optim.lr=0.001")
+def test_finished_stage_with_changed_config_stops(reference, tmp_path):
+    finished = str(tmp_path / "run")
+    shutil.copytree(reference, finished)
+    before = snapshot(finished)
+    rc, out = train(finished, "--config.optim.lr=0.001")
     one_line_error(rc, out, 2, "optim.lr", "on_config_change")
-    assert snapshot(base) == before
+    assert snapshot(finished) == before
 
 
 @pytest.mark.slow
@@ -121,26 +106,13 @@ def test_on_config_change_weights_archives_the_old_run_and_starts_from_its_weigh
 
 @pytest.mark.slow
 def test_all_checkpoints_damaged_is_an_error_and_nothing_is_moved(interrupted):
-    for step in (2, STEPS):
+    for step in range(2, STEPS + 1, 2):
         flip(largest_file(os.path.join(interrupted, "checkpoints", str(step))), 1)
     before = snapshot(interrupted)
     rc, out = train(interrupted)
-    one_line_error(rc, out, 3, "all 2 checkpoints", "checksum", "step 2", f"step {STEPS}")
+    one_line_error(rc, out, 3, "all 5 checkpoints", "checksum", "step 2", "step 6", f"step {STEPS}")
     assert snapshot(interrupted) == before
     assert not os.path.exists(os.path.join(interrupted, "corrupt_checkpoints"))
-
-
-@pytest.mark.slow
-def test_flipped_bytes_are_detected_and_the_previous_checkpoint_resumes_bitwise(base, interrupted):
-    bad = largest_file(os.path.join(interrupted, "checkpoints", str(STEPS)))
-    flip(bad)
-    rc, out = train(interrupted)
-    assert rc == 0, out[-3000:]
-    name = os.path.relpath(bad, os.path.join(interrupted, "checkpoints", str(STEPS)))
-    assert f"checkpoints/{STEPS} is damaged: file {name} fails its checksum" in out, out[-3000:]
-    assert f"resumed from {os.path.join(interrupted, 'checkpoints', '2')}" in out
-    assert losses(interrupted) == losses(base)  # bitwise
-    assert len(os.listdir(os.path.join(interrupted, "corrupt_checkpoints"))) == 1
 
 
 def small_run(tmp_path, steps=(1, 2)):
@@ -375,25 +347,6 @@ def test_disk_full_stops_in_one_line_and_keeps_the_last_checkpoint(tmpfs):
         state, meta, step = load_model_state(workdir)
     assert step == 2 and meta["step"] == 2 and state
     assert not [w for w in caught if "checkpoint" in str(w.message)], [str(w.message) for w in caught]
-
-
-@pytest.mark.slow
-def test_damaged_opt_state_recovers_with_one_warning_and_no_tracebacks(base, interrupted):
-    """The newest step's optimizer state is damaged and has no manifest (so orbax really reads it and fails):
-    one warning naming the step, no orbax/tensorstore tracebacks ("Event loop is closed"), the previous step
-    resumes bitwise."""
-    step_dir = os.path.join(interrupted, "checkpoints", str(STEPS))
-    for d, _, files in os.walk(os.path.join(step_dir, "opt_state")):
-        for f in files:
-            if os.path.getsize(os.path.join(d, f)) > 1 << 20:
-                flip(os.path.join(d, f), 4096)
-    os.remove(os.path.join(step_dir, "manifest.json"))
-    rc, out = train(interrupted)
-    assert rc == 0, out[-3000:]
-    assert "Traceback" not in out and "Event loop is closed" not in out, out[-3000:]
-    assert out.count(f"checkpoints/{STEPS} is damaged: unreadable") == 1, out[-3000:]
-    assert f"resumed from {os.path.join(interrupted, 'checkpoints', '2')}" in out
-    assert losses(interrupted) == losses(base)
 
 
 def test_a_fingerprint_without_default_model_fields_still_matches():
