@@ -15,7 +15,10 @@ import pytest  # noqa: E402
 CACHE = os.environ.get("GLMJAX_TEST_CACHE", os.path.join(tempfile.gettempdir(), "glmjax_jax_cache"))
 jax.config.update("jax_compilation_cache_dir", CACHE)
 os.environ.setdefault("GLMJAX_CACHE_DIR", CACHE)  # train.py / glmjax-* in a test's subprocess: the same cache
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+# Every program, the small ones too (as train.py caches them): eager model initialisation compiles one small program
+# per parameter shape and op (~800 of 0.04 s in test_model.py); the other worker and later processes read them back.
+# test_model.py alone, cold cache then rerun in a new process: 126 s, 48 s (74 s when only programs >= 0.5 s are kept).
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
 @pytest.fixture(scope="module")
