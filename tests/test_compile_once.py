@@ -104,19 +104,25 @@ def test_the_counter_sees_a_recompile_from_uncommitted_inputs():
     assert counts == [1, 1, 0], counts
 
 
-def test_trainer_mesh_step_compiles_once():
-    """The step as glmjax.train.loop builds it: sharded state on the 8-device mesh, global batches."""
+def test_trainer_mesh_step_is_compiled_before_its_first_call(tmp_path):
+    """The step as glmjax.train.loop builds it (sharded state on a 2-device mesh, global batches of the data
+    pipeline): `setup` compiles it in a thread while it creates the model, so not even the first call compiles, and
+    nothing compiles after."""
+    from glmjax.train import loop
+
     config = small_config()
     config.parallel.num_devices = 2  # batch over data=2: sharded, and cheaper to compile than 8 devices
-    cfg = ModelConfig.from_dict(dict(config.model))
-    stage = STAGES["pretrain"]
-    mesh = make_mesh(config.parallel)
-    graphdef, params, rest = create_sharded(lambda: GLM(cfg, nnx.Rngs(0)), mesh, TRAINABLE[stage.trainable], ...)
-    tx, _ = make_optimizer(params, config.optim, 1000, cfg)
-    state = (params, rest, init_opt_state(tx, params, mesh))
-    step_fn = make_train_step(graphdef, tx, stage, "sparse", 1e-3, mesh=mesh, state=state)
-    counts = compiles_per_step(step_fn, state, lambda i: to_batch(global_batch(batch(i), mesh, 8)))
-    assert counts[0] >= 1 and counts[1:] == [0, 0], counts
+    config.train.update(batch_size=8, seq_len=16, steps=100, eval_batches=0)
+    cfg, data_cfg, stage = loop.check_config(config)
+    run = loop.setup(config, str(tmp_path), cfg, data_cfg, stage)
+    try:
+        step_fn = run.train_step.result()
+        jnp.int32(0)  # the step number's own small conversion program, compiled once per process
+        counts = compiles_per_step(step_fn, (run.params, run.rest, run.opt_state), lambda i: run.global_rows(
+            next(run.it)))
+    finally:
+        run.ckpt.close()
+    assert counts == [0, 0, 0], counts
 
 
 def test_prefill_decode_and_generate_compile_once():

@@ -13,7 +13,7 @@ import zlib
 import numpy as np
 import pytest
 
-from glmjax.train.checkpoint import CheckpointError, Checkpoints
+from glmjax.train.checkpoint import CheckpointError, Checkpoints, newest_meta
 
 from test_reliability import FLAGS, ROOT, flip, losses
 
@@ -73,6 +73,7 @@ def test_changed_config_stops_and_moves_nothing(interrupted):
                     "--config.train.batch_size=4")
     one_line_error(rc, out, 2, "3 field(s)", "optim.name", "model.intermediate_size", "train.batch_size",
                    "on_config_change=fresh", "new --workdir")
+    assert "data:" not in out and "attention" not in out, out  # refused before the data and the model are built
     assert snapshot(interrupted) == before
     assert not os.path.exists(os.path.join(interrupted, "corrupt_checkpoints"))
 
@@ -150,6 +151,21 @@ def test_a_changed_file_fails_its_checksum_and_names_the_file(tmp_path, damage):
     assert any(f"file {name} fails its checksum" in str(w.message) for w in caught), [str(w.message) for w in caught]
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["1"]
     assert len(os.listdir(tmp_path / "corrupt_checkpoints")) == 1
+
+
+def test_newest_meta_reads_no_array_and_skips_a_meta_that_fails_its_checksum(tmp_path):
+    """train.py's early refusal of a changed config reads only the metas: the newest one whose files match the
+    manifest; a damaged model file does not matter to it (the restore deals with that)."""
+    small_run(tmp_path).close()
+    assert newest_meta(str(tmp_path))[0] == 2
+    flip(largest_file(os.path.join(tmp_path, "checkpoints", "2")), 1)  # the model file
+    assert newest_meta(str(tmp_path))[0] == 2
+    path = os.path.join(tmp_path, "checkpoints", "2", "meta", "metadata")
+    text = open(path).read()
+    assert '"step": 2' in text
+    open(path, "w").write(text.replace('"step": 2', '"step": 7'))  # valid JSON, not the bytes the manifest has
+    step, meta = newest_meta(str(tmp_path))
+    assert step == 1 and meta["step"] == 1
 
 
 def test_refused_meta_propagates_and_all_damaged_moves_nothing(tmp_path):

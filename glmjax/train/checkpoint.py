@@ -64,9 +64,9 @@ def write_manifest(step_dir: str) -> None:
     os.replace(tmp, os.path.join(step_dir, MANIFEST))
 
 
-def verify_manifest(step_dir: str) -> str | None:
-    """None if every file of the step matches its manifest, else what is wrong (naming the file). A step without
-    a manifest -> "unsealed" (the caller decides)."""
+def verify_manifest(step_dir: str, item: str | None = None) -> str | None:
+    """None if every file of the step (of its `item` only, e.g. "meta") matches its manifest, else what is wrong
+    (naming the file). A step without a manifest -> "unsealed" (the caller decides)."""
     path = os.path.join(step_dir, MANIFEST)
     if not os.path.exists(path):
         return "unsealed"
@@ -75,6 +75,11 @@ def verify_manifest(step_dir: str) -> str | None:
             files = json.load(f)["files"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         return f"{MANIFEST} is unreadable ({type(e).__name__}: {e})"
+    if item is not None:
+        files = {rel: want for rel, want in files.items() if rel.startswith(item + os.sep)}
+        return next((f"file {rel} fails its checksum" for rel, want in files.items()
+                     if not os.path.exists(os.path.join(step_dir, rel))
+                     or file_crc32(os.path.join(step_dir, rel)) != want["crc32"]), None)
     for rel, want in sorted(files.items()):
         p = os.path.join(step_dir, rel)
         if not os.path.exists(p):
@@ -91,6 +96,23 @@ def intact_steps(directory: str) -> list[int]:
     """Steps below a checkpoints directory whose files all match their manifest, sorted."""
     steps = sorted(int(n) for n in os.listdir(directory) if n.isdigit()) if os.path.isdir(directory) else []
     return [s for s in steps if verify_manifest(os.path.join(directory, str(s))) is None]
+
+
+def newest_meta(workdir: str) -> tuple[int, dict] | None:
+    """(step, meta) of the newest checkpoint whose meta reads -- its files matching the manifest, when the step has
+    one -- without opening any array; None if there is none. (orbax's JsonSave writes an item as <item>/metadata.)"""
+    directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+    steps = sorted((int(n) for n in os.listdir(directory) if n.isdigit()), reverse=True) \
+        if os.path.isdir(directory) else []
+    for step in steps:
+        step_dir = os.path.join(directory, str(step))
+        if verify_manifest(step_dir, "meta") in (None, "unsealed"):
+            try:
+                with open(os.path.join(step_dir, "meta", "metadata")) as f:
+                    return step, json.load(f)
+            except (OSError, ValueError):
+                pass
+    return None
 
 
 class _OrbaxNoise(logging.Filter):

@@ -7,9 +7,10 @@ iterator, step), so a run killed at any point and started again continues with b
 SIGTERM (and SIGINT) finish the current step, write a checkpoint and return. A non-finite loss never reaches the
 weights or a checkpoint: the step is skipped (nan_policy="skip") or the run stops with diagnostics ("stop").
 
-A stage's run is `setup` (mesh, data, sharded model, optimizer), `restore` (checkpoint, or init_from),
-`build_steps`, then `iterate`: `one_step` per step with the hooks of glmjax/train/hooks.py (metrics records,
-eval, checkpoints / signals), and `finish` (summary).
+A stage's run is `refuse_changed_config` (a resume with another config stops before anything is built), `setup`
+(mesh, data, optimizer, `build_steps` -- the train step starts compiling in a thread -- then the sharded model),
+`restore` (checkpoint, or init_from), then `iterate`: `one_step` per step with the hooks of glmjax/train/hooks.py
+(metrics records, eval, checkpoints / signals), and `finish` (summary).
 
 Outputs in workdir: config.json, metrics.jsonl (appended across restarts; a resumed run re-logs the steps after
 its checkpoint), tb/ (TensorBoard), checkpoints/, summary.json (written when the stage completes).
@@ -20,6 +21,7 @@ import dataclasses
 import errno
 import json
 import os
+import threading
 import time
 from typing import Any
 
@@ -34,9 +36,9 @@ from glmjax.flops import flops_per_token
 from glmjax.hardware import chip_of_device
 from glmjax.model.transformer import GLM, Batch
 from glmjax.optim import validate_optim_config
-from glmjax.parallel import (batch_sharding, create_sharded, global_batch, init_opt_state, make_mesh,
-                             num_batch_shards, process_rows, shardings_of)
-from glmjax.train.checkpoint import Checkpoints, intact_steps
+from glmjax.parallel import (abstract, batch_sharding, global_batch, init_opt_state, make_mesh, num_batch_shards,
+                             opt_state_shardings, process_rows, sharded_init, shardings_of)
+from glmjax.train.checkpoint import Checkpoints, intact_steps, newest_meta
 from glmjax.train.config import stage_config, validate_recipe, validate_stage, validate_train_config
 from glmjax.train.hooks import CheckpointHook, EvalHook, MetricsLog, due, stop_signals
 from glmjax.train.init_from import INIT_MARKERS, init_model
@@ -109,6 +111,16 @@ def check_config(config, init_exists: bool = True):
     return cfg, data_cfg, stage
 
 
+def refuse_changed_config(config, workdir: str):
+    """`restore`'s refusal of a changed config (train.on_config_change="error") before anything is built: raises
+    ConfigMismatch if the newest checkpoint whose meta reads was written with another config. (Damaged steps, and
+    archiving the old run under "fresh" / "weights", are `restore`'s.)"""
+    found = newest_meta(workdir) if config.train.on_config_change == "error" else None
+    if found is not None:
+        step, meta = found
+        check_resume(meta, step, fingerprint(config), os.path.join(os.path.abspath(workdir), "checkpoints"))
+
+
 def prepare_workdir(workdir: str, config) -> dict | None:
     """Create workdir and check it is writable -> the finished stage's summary if summary.json exists (and the
     config matches the one it finished with), else None (config.json written)."""
@@ -137,7 +149,8 @@ def prepare_workdir(workdir: str, config) -> dict | None:
 @dataclasses.dataclass
 class StageRun:
     """One stage's run: what `setup` builds, the state `restore` and every step replace, the jitted steps
-    (`build_steps`) and the last step reached."""
+    (`build_steps`; `train_step` is a `Background` compile until `train` takes its result) and the last step
+    reached."""
     config: Any
     workdir: str
     cfg: ModelConfig
@@ -187,9 +200,14 @@ def train(config, workdir: str, progress: bool = True) -> dict:
     finished = prepare_workdir(workdir, config)
     if finished is not None:
         return finished
+    refuse_changed_config(config, workdir)
     run = setup(config, workdir, cfg, data_cfg, stage)
-    restore(run)
-    build_steps(run)
+    try:
+        restore(run)
+    except BaseException:
+        run.train_step.join()  # never leave a compile running behind an error
+        raise
+    run.train_step = run.train_step.result()
     with stop_signals() as stop:
         summary: dict = {"stage": config.stage, "params": run.n_all, "trainable_params": run.n_train,
                          "start_step": run.start_step, "setup_s": time.perf_counter() - t0, "skipped_steps": 0}
@@ -198,8 +216,9 @@ def train(config, workdir: str, progress: bool = True) -> dict:
 
 
 def setup(config, workdir: str, cfg: ModelConfig, data_cfg, stage: Stage) -> StageRun:
-    """Mesh, data pipelines (train and eval), the model created sharded, the optimizer and the checkpoint manager
-    of one stage; nothing restored yet."""
+    """Mesh, data pipelines (train and eval), the optimizer and the steps (built from the state's shapes and
+    shardings; the train step compiling from here on), the model created sharded, its optimizer state and the
+    checkpoint manager of one stage; nothing restored yet."""
     t = config.train
     mesh = make_mesh(config.parallel if "parallel" in config else None)
     pid, nproc = jax.process_index(), jax.process_count()
@@ -216,18 +235,26 @@ def setup(config, workdir: str, cfg: ModelConfig, data_cfg, stage: Stage) -> Sta
         raise ConfigError(f"model.vocab_size={cfg.vocab_size}: must be >= the tokenizer's {data.tokenizer.vocab_size}")
     print(f"data: {data!r}; {len(eval_set)} eval batches; mesh {dict(mesh.shape)}, {nproc} process(es)")
 
-    graphdef, params, rest = create_sharded(lambda: GLM(cfg, nnx.Rngs(t.seed)), mesh, TRAINABLE[stage.trainable],
-                                            ...)
+    graphdef, init = sharded_init(lambda: GLM(cfg, nnx.Rngs(t.seed)), mesh, TRAINABLE[stage.trainable], ...)
+    params, rest = jax.eval_shape(init)  # shapes and shardings; the arrays come below, while the step compiles
     n_train, n_all = count_params(params), count_params(nnx.merge_state(params, rest).filter(nnx.Param))
     mode = stage.mode or t.mode
     print(f"stage {config.stage}: attention {mode}, trains {stage.trainable} ({n_train:,} of {n_all:,} params); "
           f"{t.batch_size}x{t.seq_len} tokens/step, {t.steps} steps")
     tx, groups = make_optimizer(params, config.optim, t.steps, cfg)
     print(groups)
-    opt_state = init_opt_state(tx, params, mesh)
-    ckpt = Checkpoints(workdir, t.keep_checkpoints, t.async_checkpoints)
-    return StageRun(config, workdir, cfg, stage, mode, mesh, data, iter(data), eval_set, graphdef, params, rest,
-                    opt_state, tx, groups, ckpt, fingerprint(config), n_train, n_all)
+    opt_state = abstract(jax.eval_shape(tx.init, params), opt_state_shardings(tx, params, mesh))
+    run = StageRun(config, workdir, cfg, stage, mode, mesh, data, iter(data), eval_set, graphdef, params, rest,
+                   opt_state, tx, groups, None, fingerprint(config), n_train, n_all)
+    build_steps(run)
+    try:
+        run.params, run.rest = init()
+        run.opt_state = init_opt_state(tx, run.params, mesh)
+        run.ckpt = Checkpoints(workdir, t.keep_checkpoints, t.async_checkpoints)
+    except BaseException:
+        run.train_step.join()  # never leave a compile running behind an error
+        raise
+    return run
 
 
 def restore(run: StageRun):
@@ -284,12 +311,46 @@ def init_weights(run: StageRun, path: str):
 
 
 def build_steps(run: StageRun):
-    """The stage's jitted train and eval steps, sharded like the (restored) state."""
+    """The stage's jitted train and eval steps, sharded like the state (`run`'s abstract state: shapes and
+    shardings). The train step starts compiling at once, in a thread (`run.train_step` is then a `Background`
+    whose result is the compiled step): tracing, lowering and compiling it -- or fetching it from the compilation
+    cache -- overlap creating the model, the optimizer state and the restore. Its first call then neither traces
+    nor compiles."""
     t = run.config.train
-    run.train_step = make_train_step(run.graphdef, run.tx, run.stage, run.mode, t.bias_update_rate,
-                                     t.index_loss_weight, t.inject_nan_at_step, mesh=run.mesh,
-                                     state=(run.params, run.rest, run.opt_state))
+    step = make_train_step(run.graphdef, run.tx, run.stage, run.mode, t.bias_update_rate, t.index_loss_weight,
+                           t.inject_nan_at_step, mesh=run.mesh, state=(run.params, run.rest, run.opt_state))
+    tokens = jax.ShapeDtypeStruct((t.batch_size, t.seq_len), jnp.int32, sharding=batch_sharding(run.mesh))
+    args = (run.params, run.rest, run.opt_state, Batch(tokens, tokens, tokens, tokens),
+            jax.ShapeDtypeStruct((), jnp.int32))
+
+    def compile_step():
+        step.lower(*args).compile()  # fills the jit's caches
+        return step
+
+    run.train_step = Background(compile_step)
     run.eval_step = make_eval_step(run.graphdef, run.stage, run.mode, mesh=run.mesh, state=(run.params, run.rest))
+
+
+class Background(threading.Thread):
+    """fn() run in a thread from construction on; `result()` waits for it and returns its value or raises its
+    error (in the caller's thread)."""
+
+    def __init__(self, fn):
+        super().__init__(daemon=True)
+        self.fn, self.value, self.error = fn, None, None
+        self.start()
+
+    def run(self):
+        try:
+            self.value = self.fn()
+        except BaseException as e:  # noqa: BLE001 -- re-raised by result()
+            self.error = e
+
+    def result(self):
+        self.join()
+        if self.error is not None:
+            raise self.error
+        return self.value
 
 
 def iterate(run: StageRun, summary: dict, stop: dict, progress: bool, t0: float) -> StepRecords:
