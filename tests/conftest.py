@@ -1,4 +1,5 @@
 import os
+import shutil
 import sys
 import tempfile
 
@@ -50,9 +51,16 @@ def reference(tmp_path_factory):
     root = tmp_path_factory.getbasetemp().parent if worker else tmp_path_factory.getbasetemp()
     workdir = os.path.join(root, "reference_run")
     with FileLock(workdir + ".lock"):
-        if not os.path.exists(os.path.join(workdir, "summary.json")):
-            rc, out = finish(launch(workdir))
+        if not os.path.exists(workdir):  # built aside and renamed when whole: a failed build leaves no half run
+            partial = workdir + ".partial"
+            shutil.rmtree(partial, ignore_errors=True)
+            p = launch(partial)
+            try:
+                rc, out = finish(p)
+            finally:
+                p.kill()
             assert rc == 0, out[-3000:]
+            os.rename(partial, workdir)
     return workdir
 
 
@@ -90,11 +98,12 @@ def pytest_runtest_makereport(item, call):
     _reported[0] = _compile_s[0]
 
 
-_times = {}  # nodeid -> [wall seconds, compile seconds]
+_times = {}  # nodeid -> [wall seconds, compile seconds, start (epoch s), xdist worker]
 
 
 def pytest_runtest_logreport(report):
-    t = _times.setdefault(report.nodeid, [0.0, 0.0])
+    t = _times.setdefault(report.nodeid, [0.0, 0.0, report.start, getattr(getattr(report, "node", None),
+                                                                           "gateway", None) and report.node.gateway.id])
     t[0] += report.duration
     t[1] += dict(report.user_properties).get("compile_s", 0.0)
 
@@ -102,17 +111,17 @@ def pytest_runtest_logreport(report):
 def pytest_terminal_summary(terminalreporter):
     if not _times:
         return
-    if os.environ.get("GLMJAX_TEST_TIMES"):  # every test's [wall, compile] seconds as JSON, for analysis
+    if os.environ.get("GLMJAX_TEST_TIMES"):  # every test's [wall, compile, start, worker] as JSON, for analysis
         import json
         with open(os.environ["GLMJAX_TEST_TIMES"], "w") as f:
             json.dump(_times, f, indent=0)
     write = terminalreporter.write_line
     total = sum(t[0] for t in _times.values())
     write(f"\nslowest tests (wall s, of which compiling in the test's own process; {total:.0f} s over all tests):")
-    for nodeid, (wall, comp) in sorted(_times.items(), key=lambda kv: -kv[1][0])[:15]:
+    for nodeid, (wall, comp, *_) in sorted(_times.items(), key=lambda kv: -kv[1][0])[:15]:
         write(f"{wall:8.1f} {comp:8.1f}  {nodeid}")
     modules = {}
-    for nodeid, (wall, comp) in _times.items():
+    for nodeid, (wall, comp, *_) in _times.items():
         m = modules.setdefault(nodeid.split("::")[0], [0.0, 0.0, 0])
         m[0] += wall
         m[1] += comp
@@ -120,3 +129,11 @@ def pytest_terminal_summary(terminalreporter):
     write("slowest modules (wall s, compile s, tests):")
     for name, (wall, comp, n) in sorted(modules.items(), key=lambda kv: -kv[1][0])[:10]:
         write(f"{wall:8.1f} {comp:8.1f} {n:4d}  {name}")
+    workers = {}  # worker -> [busy s, first start, last end]: how evenly the xdist workers were loaded
+    for wall, _, start, worker in _times.values():
+        w = workers.setdefault(worker, [0.0, start, start])
+        w[0], w[1], w[2] = w[0] + wall, min(w[1], start), max(w[2], start + wall)
+    if len(workers) > 1:
+        t0 = min(w[1] for w in workers.values())
+        write("workers (busy s, last test ended at s): " + "; ".join(
+            f"{k} {busy:.0f}, {end - t0:.0f}" for k, (busy, _, end) in sorted(workers.items())))

@@ -1,12 +1,12 @@
 """glmjax/train/hlo_cost.py: loop-trip-aware FLOPs / bytes from compiled TPU HLO (v5p, compiled on this CPU host),
 against closed forms and against XLA's own cost analysis of the same program written without loops."""
 import os
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.compilation_cache.compilation_cache import reset_cache
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from glmjax.train import aot, hlo_cost
@@ -98,22 +98,27 @@ def test_needed_block_fraction_matches_a_brute_force_count(layout, shards):
         assert worst == pytest.approx((S // b + 1) / (2 * (S // b)))  # causal: (n+1)/2n of the n^2 pairs
 
 
-def test_topology_compiles_bypass_the_cache_this_process_already_uses(arg):
+def test_topology_compiles_bypass_the_cache_this_process_already_uses(arg, tmp_path):
     """An executable compiled for a described TPU topology cannot be loaded back from the persistent cache (JAX
     warns "PjRtCompiler must be constructed with a Client", an error in this suite), so `compile_uncached` must
     neither write nor read it -- also after this process has compiled (and cached) a CPU program, when JAX has
-    already decided the cache is on -- and leaves the cache on for what follows."""
-    cache, min_secs = jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs
-    files = lambda: set(os.listdir(cache))  # noqa: E731
-    fresh = float(time.time_ns() % 999_983)  # a program this cache has not seen
+    already decided the cache is on -- and leaves the cache on for what follows. A cache directory of its own:
+    the other xdist worker writes to the suite's."""
+    saved = {k: getattr(jax.config, k) for k in ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")}
+    files = lambda: set(os.listdir(tmp_path))  # noqa: E731
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    reset_cache()  # JAX opens the cache directory once per process
     try:
-        jax.jit(lambda v: v * fresh)(np.float32(1.0)).block_until_ready()  # the cache is on in this process
+        jax.jit(lambda v: v * 3.0)(np.float32(1.0)).block_until_ready()  # the cache is on in this process
         before = files()
+        assert len(before) == 1
         for _ in range(2):
-            aot.compile_uncached(jax.jit(lambda v: jnp.sum(jnp.cos(v) * fresh)).lower(arg(8, 128)))
+            aot.compile_uncached(jax.jit(lambda v: jnp.sum(jnp.cos(v))).lower(arg(8, 128)))
         assert files() == before
-        jax.jit(lambda v: v - fresh)(np.float32(1.0)).block_until_ready()
+        jax.jit(lambda v: v - 3.0)(np.float32(1.0)).block_until_ready()
         assert len(files() - before) == 1  # on again
     finally:
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", min_secs)
+        for k, v in saved.items():
+            jax.config.update(k, v)
+        reset_cache()

@@ -190,6 +190,7 @@ class Checkpoints:
         _quiet_orbax()
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
         self._unsealed: list[int] = []
+        self._closed = False
 
     def save(self, step: int, model_state, opt_state, data_state: dict, meta: dict) -> None:
         self.manager.save(step, force=True, args=ocp.args.Composite(
@@ -273,6 +274,10 @@ class Checkpoints:
         self.manager.reload()
 
     def close(self) -> None:
+        """Wait for the saves, write their manifests and close; a second call does nothing."""
+        if self._closed:
+            return
+        self._closed = True
         self.manager.wait_until_finished()
         self._seal()
         self.manager.close()

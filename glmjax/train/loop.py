@@ -204,10 +204,11 @@ def train(config, workdir: str, progress: bool = True) -> dict:
     run = setup(config, workdir, cfg, data_cfg, stage)
     try:
         restore(run)
+        run.train_step = run.train_step.result()
     except BaseException:
-        run.train_step.join()  # never leave a compile running behind an error
+        run.train_step.join()  # never leave a compile running behind an error (the step's own error: joined)
+        run.ckpt.close()
         raise
-    run.train_step = run.train_step.result()
     with stop_signals() as stop:
         summary: dict = {"stage": config.stage, "params": run.n_all, "trainable_params": run.n_train,
                          "start_step": run.start_step, "setup_s": time.perf_counter() - t0, "skipped_steps": 0}
@@ -276,9 +277,6 @@ def restore(run: StageRun):
         if t.on_config_change == "weights":
             init_path = old
         restored, run.ckpt = None, Checkpoints(run.workdir, t.keep_checkpoints, t.async_checkpoints)
-    except BaseException:
-        run.ckpt.close()
-        raise
     if restored:
         resume_from(run, restored)
     elif init_path:
@@ -323,12 +321,13 @@ def build_steps(run: StageRun):
     args = (run.params, run.rest, run.opt_state, Batch(tokens, tokens, tokens, tokens),
             jax.ShapeDtypeStruct((), jnp.int32))
 
+    run.eval_step = make_eval_step(run.graphdef, run.stage, run.mode, mesh=run.mesh, state=(run.params, run.rest))
+
     def compile_step():
         step.lower(*args).compile()  # fills the jit's caches
         return step
 
-    run.train_step = Background(compile_step)
-    run.eval_step = make_eval_step(run.graphdef, run.stage, run.mode, mesh=run.mesh, state=(run.params, run.rest))
+    run.train_step = Background(compile_step)  # last: nothing here raises with the thread running
 
 
 class Background(threading.Thread):
