@@ -18,7 +18,7 @@ from glmjax.rl.advantages import explained_variance, gae, grpo, masked_whiten
 from glmjax.rl.env import EOS, SingleTurnEnv, ToolEnv, decode, encode, run_script, use_calculator, read_answer_file
 from glmjax.rl.interceptor import Interceptor, ToolCall
 from glmjax.rl.losses import PolicyLossConfig, kl_k3, loss_weights, policy_loss, value_loss
-from glmjax.rl.ppo import pack_samples
+from glmjax.rl.ppo import _gae_both, pack_samples
 from glmjax.rl.rollout import RolloutBatch, RolloutWorker, Sample, Sampler, filter_groups
 from glmjax.rl.tasks import Arithmetic, Problem, Reverse, Sort, exact_reward, partial_reward, safe_eval
 from glmjax.rl.trainer import (ACTOR_TRAINABLE, CRITIC_TRAINABLE, Placement, PPOFunctions, accumulate,
@@ -31,12 +31,13 @@ SMALL = dict(num_hidden_layers=2, indexer_types=("full", "shared"), n_routed_exp
 
 # ------------------------------------------------------------------------------------------------ advantages
 
-def naive_gae(r, v, m, gamma, lam):
-    """Per row: walk the mask tokens backwards; masked tokens do not exist for the recursion."""
+def naive_gae(r, v, m, gamma, lam, boot=None):
+    """Per row: walk the mask tokens backwards; masked tokens do not exist for the recursion. After the last one,
+    V = boot[b] (0 without)."""
     adv = np.zeros_like(r)
     for b in range(r.shape[0]):
         idx = np.flatnonzero(m[b])
-        next_v = next_a = 0.0
+        next_v, next_a = (0.0 if boot is None else boot[b]), 0.0
         for t in idx[::-1]:
             delta = r[b, t] + gamma * next_v - v[b, t]
             next_a = delta + gamma * lam * next_a
@@ -487,6 +488,32 @@ def test_rollout_statuses_crash_and_truncation():
 
 
 @pytest.mark.slow
+def test_truncated_rows_bootstrap_from_the_value_at_the_cut():
+    """Hand-computed: policy tokens at 1, 2, all rewards 0, V = .5, .7, V at the cut .9, gamma .9, lam .8:
+    delta_2 = .9 * .9 - .7 = .11 = A_2; delta_1 = .9 * .7 - .5 = .13, A_1 = .13 + .72 * .11 = .2092. A finished row
+    (bootstrap 0) is the plain recursion; the packed path (`_gae_both`) reads the bootstrap from V after the row's
+    last token for truncated rows only."""
+    m = np.array([[0, 1, 1, 0]], np.float32)
+    v = np.array([[9, .5, .7, 9]], np.float32)
+    r = np.zeros_like(v)
+    adv, ret = gae(r, v, m, 0.9, 0.8, np.array([.9], np.float32))
+    np.testing.assert_allclose(adv[0], [0, .2092, .11, 0], atol=1e-6)
+    np.testing.assert_allclose(ret[0], [0, .7092, .81, 0], atol=1e-6)
+    np.testing.assert_allclose(gae(r, v, m, 0.9, 0.8, np.zeros(1, np.float32))[0], gae(r, v, m, 0.9, 0.8)[0])
+    r, _, m = random_episode_arrays(3)
+    B, T = m.shape
+    after = np.random.default_rng(4).normal(size=(B, T)).astype(np.float32)  # V of the state after each token
+    last = np.array([max(np.flatnonzero(m[b]), default=0) + (b == 2) for b in range(B)], np.int32)  # 2: env tail
+    truncated = np.array([0, 1, 1, 0, 1], np.float32)
+    values, adv, ret = _gae_both(r, after, m, last, truncated, 0.97, 0.9, 1.0)
+    want_v = np.concatenate([np.zeros((B, 1), np.float32), after[:, :-1]], 1) * m  # V(s_i) = after[i - 1]
+    np.testing.assert_array_equal(values, want_v)
+    boot = after[np.arange(B), last] * truncated
+    np.testing.assert_allclose(adv, naive_gae(r, want_v, m, 0.97, 0.9, boot)[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ret, naive_gae(r, want_v, m, 0.97, 1.0, boot)[1], rtol=1e-5, atol=1e-5)
+    assert not np.allclose(adv[1], naive_gae(r, want_v, m, 0.97, 0.9)[0][1])  # the bootstrap matters
+
+
 def test_rollout_logprobs_match_the_trainer(small_model):
     """Token in / token out: the trainer's log-probs of the stored tokens equal the sampler's (sparse attention,
     sequences longer than index_topk, so the deterministic top-k really selects), temperature applied to both."""
@@ -512,6 +539,8 @@ def test_rollout_logprobs_match_the_trainer(small_model):
     for b, s in enumerate(samples):
         last = len(s.prompt) + np.flatnonzero(s.loss_mask)[-1]
         assert data["rewards"][b, last] == s.reward and data["rewards"][b].sum() == s.reward
+        assert data["last"][b] == len(s.prompt) + len(s.response) - 1  # the cut: after the row's last token
+        assert data["truncated"][b] == (s.status == "truncated")
 
 
 @pytest.mark.slow

@@ -13,10 +13,11 @@ import jax.numpy as jnp
 f32 = jnp.float32
 
 
-def gae(rewards, values, mask, gamma: float, lam: float):
+def gae(rewards, values, mask, gamma: float, lam: float, bootstrap=None):
     """Token-level GAE: delta_t = r_t + gamma V_next - V_t, A_t = delta_t + gamma lam A_next, where "next" is the next
-    mask token of the same row (0 after the last one: the episode ends). -> (advantages, returns = A + V), both
-    [B,T] f32 and 0 off the mask. Returns are formed here, before any whitening."""
+    mask token of the same row; after the last one V_next = bootstrap[b] (None: 0, the episode ended there; a row
+    cut off before its end -- truncated -- passes V of the state at the cut) and A_next = 0. -> (advantages,
+    returns = A + V), both [B,T] f32 and 0 off the mask. Returns are formed here, before any whitening."""
     rewards, values, mask = (jnp.asarray(x, f32) for x in (rewards, values, mask))
 
     def step(carry, x):
@@ -27,7 +28,8 @@ def gae(rewards, values, mask, gamma: float, lam: float):
         return (jnp.where(keep, v, next_v), jnp.where(keep, a, next_a)), jnp.where(keep, a, 0.0)
 
     zeros = jnp.zeros(rewards.shape[0], f32)
-    _, adv = jax.lax.scan(step, (zeros, zeros), (rewards.T, values.T, mask.T), reverse=True)
+    last_v = zeros if bootstrap is None else jnp.asarray(bootstrap, f32)
+    _, adv = jax.lax.scan(step, (last_v, zeros), (rewards.T, values.T, mask.T), reverse=True)
     adv = adv.T
     return adv, (adv + values) * mask
 

@@ -29,6 +29,7 @@ import time
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -48,7 +49,7 @@ from glmjax.rl.rollout import RolloutBatch, RolloutWorker, Sampler, filter_group
 from glmjax.rl.prompts import PromptsTask, TASKS
 from glmjax.rl.tasks import REWARDS, resolve_callable, resolve_tools
 from glmjax.rl.text import ChatText
-from glmjax.rl.trainer import (ACTOR_TRAINABLE, CRITIC_TRAINABLE, Placement, PPOFunctions, accumulate,
+from glmjax.rl.trainer import (ACTOR_TRAINABLE, CRITIC_TRAINABLE, Placement, PPOFunctions, accumulate, before,
                                critic_optimizer, forward, full_state, init_value_head, make_apply)
 from glmjax.rl.warmup import supervised_warmup
 from glmjax.train.hooks import EvalHook, MetricsLog, due
@@ -94,14 +95,16 @@ def env_factory(p, task_reward, interceptor, text=BYTES, tools=None, crash_prob:
 def pack_samples(samples, rows: int, seq_len: int, pad_id: int) -> dict:
     """Samples -> numpy arrays [rows, seq_len] indexed by token position (rows beyond len(samples) are padding):
     tokens, segment_ids, positions, mask (policy tokens), rollout_logp, rewards (the sample's reward on its last
-    policy token), plus per-row version / group / score."""
+    policy token), plus per-row version / group / score, last (position of the row's last token) and truncated
+    (1.0 where the response hit max_response_len: its advantages bootstrap from V of the state at the cut)."""
     out = {k: np.zeros((rows, seq_len), np.float32) for k in ("mask", "rollout_logp", "rewards")}
     out["tokens"] = np.full((rows, seq_len), pad_id, np.int32)
     out["segment_ids"] = np.zeros((rows, seq_len), np.int32)
     out["positions"] = np.ascontiguousarray(np.broadcast_to(np.arange(seq_len, dtype=np.int32), (rows, seq_len)))
     version = np.full(rows, -1, np.int64)
     group = -1 - np.arange(rows)  # padding rows: groups of their own
-    score = np.zeros(rows, np.float32)
+    score, truncated = np.zeros(rows, np.float32), np.zeros(rows, np.float32)
+    last = np.zeros(rows, np.int32)
     for b, s in enumerate(samples):
         p, n = len(s.prompt), len(s.prompt) + len(s.response)
         out["tokens"][b, :n] = np.concatenate([s.prompt, s.response])
@@ -112,14 +115,19 @@ def pack_samples(samples, rows: int, seq_len: int, pad_id: int) -> dict:
         if len(policy):
             out["rewards"][b, p + policy[-1]] = s.reward
         version[b], group[b], score[b] = s.version, s.group, s.reward
-    return {**out, "version": version, "group": group, "score": score}
+        last[b], truncated[b] = n - 1, s.status == "truncated"
+    return {**out, "version": version, "group": group, "score": score, "last": last, "truncated": truncated}
 
 
 @jax.jit
-def _gae_both(rewards, values, mask, gamma, lam_actor, lam_critic):
-    adv, _ = gae(rewards, values, mask, gamma, lam_actor)
-    _, returns = gae(rewards, values, mask, gamma, lam_critic)
-    return adv, returns
+def _gae_both(rewards, after, mask, last, truncated, gamma, lam_actor, lam_critic):
+    """after: V of the states after each token [B,S] -> (values of the states before the tokens, 0 off the mask;
+    advantages with lam_actor; returns with lam_critic). A truncated row bootstraps from V(after its last token)."""
+    values = before(after) * mask
+    boot = jnp.take_along_axis(after, last[:, None], axis=1)[:, 0] * truncated
+    adv, _ = gae(rewards, values, mask, gamma, lam_actor, boot)
+    _, returns = gae(rewards, values, mask, gamma, lam_critic, boot)
+    return values, adv, returns
 
 
 class Learner:
@@ -200,10 +208,10 @@ class Learner:
             data["returns"] = data["old_values"] = np.zeros_like(mask)
             data["advantages"] = adv
             return {"adv_abs_mean": float(np.sum(np.abs(adv) * mask) / max(mask.sum(), 1))}
-        values = forward(self.fns.values, (self.cparams[0], self.crest, self.cparams[1]), fwd, p.micro_batches,
-                         self.placement) * mask
-        adv, returns = (np.asarray(x) for x in _gae_both(data["rewards"], values, mask, p.gamma, p.lam_actor,
-                                                         p.lam_critic))
+        after = forward(self.fns.values, (self.cparams[0], self.crest, self.cparams[1]), fwd, p.micro_batches,
+                        self.placement)
+        values, adv, returns = (np.asarray(x) for x in _gae_both(
+            data["rewards"], after, mask, data["last"], data["truncated"], p.gamma, p.lam_actor, p.lam_critic))
         n = max(mask.sum(), 1)
         m = {"explained_variance": float(explained_variance(values, returns, mask)),
              "value_mean": float(np.sum(values * mask) / n), "return_mean": float(np.sum(returns * mask) / n),

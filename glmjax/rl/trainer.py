@@ -52,11 +52,20 @@ def init_value_head(hidden_size: int) -> dict:
     return {"w": jnp.zeros((hidden_size,), f32), "b": jnp.zeros((), f32)}
 
 
+def state_values(model: GLM, head: dict, batch: Batch, mode: str):
+    """V of the state after token i, read at position i -> [B,S] f32."""
+    h, _ = model(batch, mode)
+    return jnp.einsum("bsd,d->bs", h.astype(f32), head["w"]) + head["b"]
+
+
+def before(v):
+    """Values of the states after each token [B,S] -> V(s_i) of the states before each token i (0 at i = 0)."""
+    return jnp.pad(v[:, :-1], ((0, 0), (1, 0)))
+
+
 def critic_values(model: GLM, head: dict, batch: Batch, mode: str):
     """V(s_i) of the state before token i, read at position i-1 -> [B,S] f32 (0 at i = 0)."""
-    h, _ = model(batch, mode)
-    v = jnp.einsum("bsd,d->bs", h.astype(f32), head["w"]) + head["b"]
-    return jnp.pad(v[:, :-1], ((0, 0), (1, 0)))
+    return before(state_values(model, head, batch, mode))
 
 
 def as_batch(mb: dict) -> Batch:
@@ -83,7 +92,8 @@ class PPOFunctions:
         return token_logprobs(h, model.lm_head[...], mb["tokens"], self.temperature, self.chunk)[0]
 
     def _values(self, params, rest, head, mb):
-        return critic_values(nnx.merge(self.critic_graphdef, params, rest), head, as_batch(mb), self.mode)
+        """-> [B,S]: V of the state after token i (`before` shifts them to the states before the tokens)."""
+        return state_values(nnx.merge(self.critic_graphdef, params, rest), head, as_batch(mb), self.mode)
 
     def _actor_loss(self, params, rest, mb):
         model = nnx.merge(self.actor_graphdef, params, rest)
