@@ -7,6 +7,13 @@ policy, plus a table of start -> end numbers per seed.
 
 Each seed changes ppo.seed, which seeds the model's initialisation, the supervised warm-up's demonstrations and
 the rollouts. Runs go to --workdir/seed<N> (metrics.jsonl as train.py writes it); --reuse plots existing runs.
+
+    python bench/ppo_curves.py --tasks arith rle tool [--steps 100] [--seeds 0 1 2]   # docs/ppo_<task>.png
+
+--tasks runs the user's path on each task of bench/rl_tasks.py (SFT JSONL through stage sft, then PPO and GRPO
+on its prompts file from that checkpoint), plots both methods' seeds per task, and prints one table row per task,
+method and seed with the bar of issue 41 (held-out greedy and sampled +0.10, training reward +0.15, no eval below
+its start).
 """
 from __future__ import annotations
 
@@ -23,6 +30,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # rl_tasks
 
 from glmjax.rl import train_ppo  # noqa: E402
 
@@ -82,14 +90,116 @@ def table(runs: dict[int, list[dict]]) -> str:
     return "\n".join(lines)
 
 
+def task_runs(task: str, root: str, seeds, steps: int | None) -> dict[str, dict[int, list[dict]]]:
+    """The user's path on one task of bench/rl_tasks.py: its files, `train.py` stage sft (once), then PPO (gae) and
+    GRPO from that checkpoint for every seed -> {method: {seed: metrics rows}}. Finished workdirs are reused and
+    interrupted ones resume (rerun the same command)."""
+    from glmjax.launch import run
+    from rl_tasks import ppo_config, sft_config, write_task
+
+    paths = write_task(task, os.path.join(root, "data"))
+    sft = os.path.join(root, "sft")
+    run(sft_config(task, paths), sft)
+    out = {}
+    for method in ("gae", "grpo"):
+        out[method] = {}
+        for seed in seeds:
+            wd = os.path.join(root, f"{method}_seed{seed}")
+            run(ppo_config(task, paths, sft, method, seed, steps), wd)
+            out[method][seed] = read(wd)
+    return out
+
+
+TASK_PANELS = (("reward_mean", "training reward (mean, 5-step average)"), ("eval_accuracy", "held-out greedy"),
+               ("eval_sampled_accuracy", "held-out sampled"), ("kl_init", "KL(pi || SFT policy)"),
+               ("entropy", "policy entropy (nats)"), ("value_loss", "value loss (PPO)"))
+METHODS = {"gae": ("PPO", "-"), "grpo": ("GRPO", "--")}
+
+
+def last(rows: list[dict]) -> dict[int, dict]:
+    """{step: record} keeping a step's later line (a resumed run re-logs the steps after its last checkpoint)."""
+    out: dict[int, dict] = {}
+    for r in rows:
+        out.setdefault(("eval" if "eval_accuracy" in r else "train", r["step"]), {}).update(r)
+    return out
+
+
+def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+    kind = "eval" if key.startswith("eval") else "train"
+    pts = sorted((s, r[key]) for (k, s), r in last(rows).items() if k == kind and r.get(key) is not None)
+    return [s for s, _ in pts], [v for _, v in pts]
+
+
+def plot_task(task: str, runs: dict, out: str, title: str):
+    fig, grid = plt.subplots(2, 3, figsize=(14, 7.5))
+    for (key, label), ax in zip(TASK_PANELS, grid.flat):
+        for method, by_seed in runs.items():
+            name, style = METHODS[method]
+            for i, (seed, rows) in enumerate(sorted(by_seed.items())):
+                s, v = series(rows, key)
+                if not v:
+                    continue
+                if not key.startswith("eval"):
+                    v = smooth(v)
+                    s = s[len(s) - len(v):]
+                ax.plot(s, v, style, color=f"C{i}", label=f"{name} seed {seed}", lw=1.2)
+        ax.set_title(label, fontsize=10)
+        ax.set_xlabel("PPO step")
+        ax.grid(alpha=0.3)
+    grid.flat[0].legend(fontsize=7, ncol=2)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+
+
+def task_table(task: str, runs: dict) -> tuple[str, bool]:
+    """Rows task | method | seed with start -> end and the issue's bar: greedy and sampled +0.10, training reward
+    (first 10 -> last 20 steps) +0.15, no held-out eval below its start -> (markdown, all met)."""
+    lines, ok_all = [], True
+    for method, by_seed in runs.items():
+        for seed, rows in sorted(by_seed.items()):
+            _, g = series(rows, "eval_accuracy")
+            _, sa = series(rows, "eval_sampled_accuracy")
+            _, r = series(rows, "reward_mean")
+            _, kl = series(rows, "kl_init")
+            dr = np.mean(r[-20:]) - np.mean(r[:10])
+            floor = min(min(gi - g[0] for gi in g), min(si - sa[0] for si in sa))
+            ok = g[-1] - g[0] >= 0.10 and sa[-1] - sa[0] >= 0.10 and dr >= 0.15 and floor >= 0
+            ok_all &= ok
+            lines.append(f"| {task} | {METHODS[method][0]} | {seed} | {g[0]:.2f} -> {g[-1]:.2f} | "
+                         f"{sa[0]:.2f} -> {sa[-1]:.2f} | {np.mean(r[:10]):.2f} -> {np.mean(r[-20:]):.2f} | "
+                         f"{floor:+.2f} | {kl[-1]:.3f} | {'yes' if ok else 'no'} |")
+    return "\n".join(lines), ok_all
+
+
+TASK_HEADER = ("| task | method | seed | held-out greedy | held-out sampled | training reward (first 10 -> last 20) | "
+               "lowest eval - start | KL to SFT (end) | bar met |\n|---|---|---:|---|---|---|---:|---:|---|")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="configs/ppo_tiny.py")
+    ap.add_argument("--tasks", nargs="+", default=None, choices=("arith", "rle", "tool"),
+                    help="instead of --config: the bench/rl_tasks.py tasks, SFT by train.py then PPO and GRPO")
+    ap.add_argument("--steps", type=int, default=None, help="PPO steps of the task runs (default: ppo_tiny's)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--workdir", default="runs/ppo_curves")
-    ap.add_argument("--out", default="docs/ppo_curves.png")
+    ap.add_argument("--out", default="docs/ppo_curves.png", help="with --tasks: docs/ppo_<task>.png")
     ap.add_argument("--reuse", action="store_true", help="plot the runs already in --workdir")
     args = ap.parse_args()
+    if args.tasks:
+        tables, ok = [], True
+        for task in args.tasks:
+            runs = task_runs(task, os.path.join(args.workdir, task), args.seeds, args.steps)
+            out = os.path.join(os.path.dirname(args.out) or ".", f"ppo_{task}.png")
+            plot_task(task, runs, out, f"task {task}: SFT (train.py) then PPO / GRPO, seeds {args.seeds}")
+            t, met = task_table(task, runs)
+            tables.append(t)
+            ok &= met
+            print(f"wrote {out}")
+        print(TASK_HEADER + "\n" + "\n".join(tables))
+        print("bar met on every run" if ok else "bar NOT met on every run")
+        return
     runs = {}
     for seed in args.seeds:
         wd = os.path.join(args.workdir, f"seed{seed}")
