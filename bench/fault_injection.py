@@ -46,7 +46,7 @@ def flags(steps: int, every: int) -> list[str]:
 
 
 def launch(workdir: str, args) -> subprocess.Popen:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=args.xla_flags)
     log = open(os.path.join(os.path.dirname(workdir), os.path.basename(workdir) + ".log"), "a")
     log.write(f"\n=== launch {time.strftime('%H:%M:%S')}\n")
     log.flush()
@@ -122,6 +122,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reference", default=None, help="a finished reference workdir of the same command to reuse")
     ap.add_argument("--cache", default=os.environ.get("GLMJAX_TEST_CACHE", "/tmp/glmjax_jax_cache"),
                     help="JAX compilation cache directory")
+    ap.add_argument("--xla-flags", default="", help="XLA_FLAGS of every launch (a reused --reference must have had "
+                    "the same: they change the float rounding)")
     ap.add_argument("--timeout", type=float, default=600, help="seconds a launch may run")
     ap.add_argument("--keep", action="store_true", help="keep the workdirs of runs that matched")
     args = ap.parse_args(argv)

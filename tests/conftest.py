@@ -3,11 +3,14 @@ import shutil
 import sys
 import tempfile
 
-# Tests run on CPU; several virtual devices for the sharding tests (must be set before jax is imported).
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# Tests run on CPU; several virtual devices for the sharding tests, XLA's fast compile (tests/xla_flags.py; must be
+# set before jax is imported).
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from xla_flags import xla_flags  # noqa: E402
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("XLA_FLAGS", xla_flags(devices=8))
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -17,6 +17,7 @@ import pytest
 from sharded_training import (MULTIHOST_GROUPS, STEPS_AFTER, STEPS_BEFORE, assert_equal_to_reference, context_npz,
                               context_reference, decode_npz, reference_losses)
 from test_decode_sharded import assert_close, decode_run
+from xla_flags import xla_flags
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -30,7 +31,7 @@ def free_port() -> int:
 @pytest.mark.slow
 def test_two_processes_train_checkpoint_restore_and_match_single_process(tmp_path):
     port, out = free_port(), str(tmp_path / "losses.json")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(devices=4)}
     procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "sharded_training.py"), str(i), "2", str(port),
                                str(tmp_path / "ckpt"), out], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for i in range(2)]

@@ -17,17 +17,17 @@ import matplotlib.image as mpimg
 import nbformat
 import numpy as np
 import pytest
+from xla_flags import xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOKS = sorted(glob.glob(os.path.join(ROOT, "notebooks", "*.ipynb")))
 FIGURES = {"01_quickstart": 1, "02_sparse_attention": 5, "03_indexshare": 3, "04_ppo": 2}  # figures drawn
 GROUPS = [("01_quickstart", "02_sparse_attention", "03_indexshare"), ("04_ppo",)]
-# Kernel environment: one CPU device, and XLA's CPU backend without LLVM optimisation: compiling dominates these
-# tiny runs (halves the cold run; the numbers are unchanged). Compilations go to the tests' persistent cache, the
-# many small eager ones of model initialisation included.
+# Kernel environment: one CPU device and XLA's fast compile (tests/xla_flags.py; it halves these tiny runs cold).
+# Compilations go to the tests' persistent cache, the many small eager ones of model initialisation included.
 KERNEL_ENV = {
     "JAX_PLATFORMS": "cpu",
-    "XLA_FLAGS": "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true",
+    "XLA_FLAGS": xla_flags(),
     "JAX_COMPILATION_CACHE_DIR": os.environ.get("GLMJAX_TEST_CACHE",
                                                 os.path.join(tempfile.gettempdir(), "glmjax_jax_cache")),
     "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",

@@ -21,6 +21,7 @@ from glmjax.train.checkpoint import Checkpoints, load_model_state
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from configs import recipe_tiny, tiny  # noqa: E402
+from xla_flags import xla_flags  # noqa: E402
 
 STEPS = 10
 FLAGS = ["--config=configs/tiny.py", "--config.train.steps=10", "--config.train.seq_len=32",
@@ -31,7 +32,7 @@ FLAGS = ["--config=configs/tiny.py", "--config.train.steps=10", "--config.train.
 
 def launch(workdir, *extra):
     cache = os.environ.get("GLMJAX_TEST_CACHE", os.path.join("/tmp", "glmjax_jax_cache"))
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags())
     return subprocess.Popen([sys.executable, "train.py", *FLAGS, *extra, f"--workdir={workdir}",
                              f"--compilation_cache={cache}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
@@ -102,7 +103,7 @@ def test_fault_injection_kill9_resume_bitwise(reference, tmp_path):
     --kills 10 at 30 steps is in docs/benchmarks.md."""
     p = subprocess.run([sys.executable, "bench/fault_injection.py", "--kills", "1", "--seed", "1",
                         "--max-kills-per-workdir", "1", f"--steps={STEPS}", "--checkpoint-every=2",
-                        f"--reference={reference}", f"--dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True,
+                        f"--reference={reference}", f"--xla-flags={xla_flags()}", f"--dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True,
                        timeout=880)
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-4000:]

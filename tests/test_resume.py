@@ -16,13 +16,14 @@ import pytest
 from glmjax.train.checkpoint import CheckpointError, Checkpoints, newest_meta
 
 from test_reliability import FLAGS, ROOT, flip, losses
+from xla_flags import xla_flags
 
 STEPS = 10  # the shared reference run (conftest.py): checkpoints at 2, 4, ..., 10
 
 
 def train(workdir, *extra, devices=1, timeout=600):
     cache = os.environ.get("GLMJAX_TEST_CACHE", os.path.join("/tmp", "glmjax_jax_cache"))
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(devices))
     p = subprocess.run([sys.executable, "train.py", *FLAGS, *extra, f"--workdir={workdir}",
                         f"--compilation_cache={cache}"], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=timeout)
