@@ -626,3 +626,25 @@ def test_config_validation_misc():
     with pytest.raises(ConfigError, match="ppo.reward='nope'"):
         resolve_callable("nope", REWARDS, "reward")
     assert resolve_callable("glmjax.rl.tasks:exact_reward", REWARDS, "reward") is exact_reward
+
+
+def test_adapt_lr_halves_after_a_stop_and_recovers_up_to_the_configured_lr():
+    """ppo.adapt_lr's rule, by hand: a step that hit target_kl halves the actor's lr multiplier; a step whose measured
+    KL stayed under target_kl / 4 raises it 1.5x, never above 1; in between, or without target_kl, it stays."""
+    from types import SimpleNamespace
+
+    from glmjax.rl.ppo import Learner
+
+    learner = SimpleNamespace(p=SimpleNamespace(adapt_lr=True, target_kl=0.04), lr_scale=1.0)
+    seen = []
+    for stopped, kl in ((True, [0.2]), (True, [0.3]), (False, [0.02]), (False, [0.005, 0.009]), (False, []),
+                        (False, [0.001]), (False, [0.001])):
+        Learner.adapt_lr(learner, stopped, kl)
+        seen.append(learner.lr_scale)
+    assert seen == [0.5, 0.25, 0.25, 0.375, 0.375, 0.5625, 0.84375]
+    for _ in range(3):
+        Learner.adapt_lr(learner, False, [0.0])
+    assert learner.lr_scale == 1.0
+    learner.p.target_kl = None
+    Learner.adapt_lr(learner, True, [1.0])
+    assert learner.lr_scale == 1.0

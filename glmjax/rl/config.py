@@ -77,6 +77,11 @@ def default_ppo_config(**overrides) -> ml_collections.ConfigDict:
     # trust region: a PPO step stops updating the actor once the mean approximate KL(pi_old || pi) of a
     # mini-batch, measured before its update, exceeds this (None = never; the critic keeps training)
     c.target_kl = ml_collections.FieldReference(0.05, field_type=float)
+    # with target_kl: the actor's step size follows the trust region. A step that hit target_kl halves a multiplier
+    # of the actor's learning rate; a step whose largest measured KL stayed under target_kl / 4 raises it by 1.5x, up
+    # to 1 (the configured lr is the ceiling). One update at a fixed lr moves a confident (SFT) policy far more
+    # than a diffuse one: docs/ppo.md "From an SFT checkpoint". Off by default until it is measured on the demo.
+    c.adapt_lr = False
     c.freeze_indexer = True  # DSA indexer frozen during RL (GLM-5)
     c.logprob_chunk = 512  # sequence chunk of the log-prob / entropy computation (never [B, S, V] at once)
     # ----- initialisation, evaluation, logging
@@ -143,7 +148,7 @@ def validate_ppo_config(config) -> ModelConfig:
     choice("policy_loss", POLICY_LOSSES)
     choice("loss_agg", AGGREGATIONS)
     choice("sft_script", ("direct", "calc"))
-    for f in ("async_rollout", "whiten_advantages", "grpo_std", "interceptor", "freeze_indexer", "save_policy"):
+    for f in ("async_rollout", "whiten_advantages", "grpo_std", "interceptor", "freeze_indexer", "save_policy", "adapt_lr"):
         boolean(f)
     if not p.freeze_indexer:
         fail("freeze_indexer", "must be True: PPO's losses never reach the indexer (top-k is not differentiable) "

@@ -154,6 +154,7 @@ class Learner:
                                 PolicyLossConfig(p.policy_loss, p.clip_low, p.clip_high, p.dual_clip, p.icepop_low,
                                                  p.icepop_high), p.entropy_coef, p.kl_coef, p.value_clip)
         self.rng = np.random.default_rng(p.seed + 2)
+        self.lr_scale = 1.0  # the trust region's multiplier of the actor's learning rate (ppo.adapt_lr)
 
     def policy_state(self):
         """The actor's complete model state (what the Decoder runs)."""
@@ -171,7 +172,7 @@ class Learner:
         m.update(self.advantages(data, fwd))
         keys = ["tokens", "segment_ids", "positions", "old_logp", "rollout_logp", "advantages", "returns",
                 "old_values"] + (["ref_logp"] if p.kl_coef else [])
-        actor_updates, kl_stopped = 0, False
+        actor_updates, kl_stopped, kl_seen = 0, False, []
         for _ in range(p.ppo_epochs):
             for idx in np.array_split(self.rng.permutation(rows), p.minibatches):
                 mb = {k: data[k][idx] for k in keys}
@@ -181,12 +182,15 @@ class Learner:
                 if train_actor and not kl_stopped:
                     grads, sums = accumulate(fns.actor_grads, (self.params, self.rest), mb, p.micro_batches, place)
                     sums = {k: float(v) for k, v in sums.items()}
+                    if actor_updates:
+                        kl_seen.append(sums["approx_kl_old"])
                     # trust region: this mini-batch's KL(pi_old || pi) at the weights about to be updated; past
                     # target_kl the actor has moved far enough on this batch (its update is not applied)
                     if p.target_kl is not None and sums["approx_kl_old"] > p.target_kl:
                         kl_stopped = True
                     else:
-                        self.params, self.actor_state, gnorm = self.apply_actor(self.params, self.actor_state, grads)
+                        self.params, self.actor_state, gnorm = self.apply_actor(self.params, self.actor_state, grads,
+                                                                                self.lr_scale)
                         actor_updates += 1
                         m["actor_grad_norm"] = float(gnorm)
                     m.update(sums)
@@ -196,9 +200,22 @@ class Learner:
                     self.cparams, self.critic_state, gnorm = self.apply_critic(self.cparams, self.critic_state, grads)
                     m.update({k: float(v) for k, v in sums.items()}, critic_grad_norm=float(gnorm))
         if train_actor:
-            m.update(actor_updates=actor_updates, kl_stopped=kl_stopped)
+            m.update(actor_updates=actor_updates, kl_stopped=kl_stopped, actor_lr_scale=self.lr_scale)
+            self.adapt_lr(kl_stopped, kl_seen)
         m["train_tokens"] = float(np.sum(data["segment_ids"] > 0)) * p.ppo_epochs
         return m
+
+    def adapt_lr(self, kl_stopped: bool, kl_seen: list[float]):
+        """ppo.adapt_lr: after a step that hit target_kl the actor's next steps take half the step size; after one
+        whose measured KL(pi_old || pi) stayed under target_kl / 4, 1.5x (at most the configured lr). kl_seen: the
+        KL measured before each mini-batch after the step's first update."""
+        p = self.p
+        if not p.adapt_lr or p.target_kl is None:
+            return
+        if kl_stopped:
+            self.lr_scale *= 0.5
+        elif kl_seen and max(kl_seen) < p.target_kl / 4:
+            self.lr_scale = min(1.0, self.lr_scale * 1.5)
 
     def advantages(self, data: dict, fwd: dict) -> dict:
         """Fills data["advantages"], ["returns"], ["old_values"] over the whole batch; -> metrics."""

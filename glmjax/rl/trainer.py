@@ -161,9 +161,12 @@ def forward(fn: Callable, args: tuple, batch: dict, n_micro: int, placement: Pla
 
 
 def make_apply(tx: optax.GradientTransformation):
+    """-> apply(params, opt_state, grads, scale=1.0): one optimizer update, its step multiplied by `scale` (the PPO
+    trust region's step-size multiplier; the optimizer's moments are those of the unscaled gradients)."""
     @jax.jit
-    def apply(params, opt_state, grads):
+    def apply(params, opt_state, grads, scale=1.0):
         updates, opt_state = tx.update(grads, opt_state, params)
+        updates = jax.tree.map(lambda u: u * jnp.asarray(scale, u.dtype), updates)
         return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
 
     return apply
