@@ -148,7 +148,8 @@ def validate_ppo_config(config) -> ModelConfig:
     choice("policy_loss", POLICY_LOSSES)
     choice("loss_agg", AGGREGATIONS)
     choice("sft_script", ("direct", "calc"))
-    for f in ("async_rollout", "whiten_advantages", "grpo_std", "interceptor", "freeze_indexer", "save_policy", "adapt_lr"):
+    for f in ("async_rollout", "whiten_advantages", "grpo_std", "interceptor", "freeze_indexer", "save_policy",
+              "adapt_lr"):
         boolean(f)
     if not p.freeze_indexer:
         fail("freeze_indexer", "must be True: PPO's losses never reach the indexer (top-k is not differentiable) "
