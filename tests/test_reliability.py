@@ -103,8 +103,8 @@ def test_fault_injection_kill9_resume_bitwise(reference, tmp_path):
     --kills 10 at 30 steps is in docs/benchmarks.md."""
     p = subprocess.run([sys.executable, "bench/fault_injection.py", "--kills", "1", "--seed", "1",
                         "--max-kills-per-workdir", "1", f"--steps={STEPS}", "--checkpoint-every=2",
-                        f"--reference={reference}", f"--xla-flags={xla_flags()}", f"--dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=880)
+                        f"--reference={reference}", f"--xla-flags={xla_flags()}", f"--dir={tmp_path}"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=880)
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-4000:]
     assert "1 kills in" in out and "all losses bitwise identical" in out, out[-4000:]
