@@ -106,7 +106,7 @@ def test_the_counter_sees_a_recompile_from_uncommitted_inputs():
 
 def test_trainer_mesh_step_is_compiled_before_its_first_call(tmp_path):
     """The step as glmjax.train.loop builds it (sharded state on a 2-device mesh, global batches of the data
-    pipeline): `setup` compiles it in a thread while it creates the model, so not even the first call compiles, and
+    pipeline): `setup` compiles it in a thread while `restore` creates the model, so not even the first call compiles, and
     nothing compiles after."""
     from glmjax.train import loop
 
@@ -116,6 +116,7 @@ def test_trainer_mesh_step_is_compiled_before_its_first_call(tmp_path):
     cfg, data_cfg, stage = loop.check_config(config)
     run = loop.setup(config, str(tmp_path), cfg, data_cfg, stage)
     try:
+        loop.restore(run)  # nothing to resume: the fresh state
         step_fn = run.train_step.result()
         jnp.int32(0)  # the step number's own small conversion program, compiled once per process
         counts = compiles_per_step(step_fn, (run.params, run.rest, run.opt_state), lambda i: run.global_rows(

@@ -174,6 +174,7 @@ class StageRun:
     step: int = 0
     train_step: Any = None
     eval_step: Any = None
+    init: Any = None  # the jitted random initialiser of (params, rest); `initialise` runs it if nothing is resumed
 
     @property
     def trainable(self):
@@ -218,8 +219,8 @@ def train(config, workdir: str, progress: bool = True) -> dict:
 
 def setup(config, workdir: str, cfg: ModelConfig, data_cfg, stage: Stage) -> StageRun:
     """Mesh, data pipelines (train and eval), the optimizer and the steps (built from the state's shapes and
-    shardings; the train step compiling from here on), the model created sharded, its optimizer state and the
-    checkpoint manager of one stage; nothing restored yet."""
+    shardings; the train step compiling from here on), the model's and optimizer's state as shapes and shardings
+    (abstract: `restore` fills them) and the checkpoint manager of one stage; nothing restored yet."""
     t = config.train
     mesh = make_mesh(config.parallel if "parallel" in config else None)
     pid, nproc = jax.process_index(), jax.process_count()
@@ -237,7 +238,7 @@ def setup(config, workdir: str, cfg: ModelConfig, data_cfg, stage: Stage) -> Sta
     print(f"data: {data!r}; {len(eval_set)} eval batches; mesh {dict(mesh.shape)}, {nproc} process(es)")
 
     graphdef, init = sharded_init(lambda: GLM(cfg, nnx.Rngs(t.seed)), mesh, TRAINABLE[stage.trainable], ...)
-    params, rest = jax.eval_shape(init)  # shapes and shardings; the arrays come below, while the step compiles
+    params, rest = jax.eval_shape(init)  # shapes and shardings; the arrays: a checkpoint's, or `initialise`'s
     n_train, n_all = count_params(params), count_params(nnx.merge_state(params, rest).filter(nnx.Param))
     mode = stage.mode or t.mode
     print(f"stage {config.stage}: attention {mode}, trains {stage.trainable} ({n_train:,} of {n_all:,} params); "
@@ -246,11 +247,9 @@ def setup(config, workdir: str, cfg: ModelConfig, data_cfg, stage: Stage) -> Sta
     print(groups)
     opt_state = abstract(jax.eval_shape(tx.init, params), opt_state_shardings(tx, params, mesh))
     run = StageRun(config, workdir, cfg, stage, mode, mesh, data, iter(data), eval_set, graphdef, params, rest,
-                   opt_state, tx, groups, None, fingerprint(config), n_train, n_all)
+                   opt_state, tx, groups, None, fingerprint(config), n_train, n_all, init=init)
     build_steps(run)
     try:
-        run.params, run.rest = init()
-        run.opt_state = init_opt_state(tx, run.params, mesh)
         run.ckpt = Checkpoints(workdir, t.keep_checkpoints, t.async_checkpoints)
     except BaseException:
         run.train_step.join()  # never leave a compile running behind an error
@@ -258,9 +257,16 @@ def setup(config, workdir: str, cfg: ModelConfig, data_cfg, stage: Stage) -> Sta
     return run
 
 
+def initialise(run: StageRun):
+    """Create the fresh model and optimizer state (random init, in their shardings) in place of the abstract ones;
+    a resumed run never does this: its checkpoint's arrays are read straight into the shardings."""
+    run.params, run.rest = run.init()
+    run.opt_state = init_opt_state(run.tx, run.params, run.mesh)
+
+
 def restore(run: StageRun):
     """Resume from the newest readable checkpoint of the workdir (model, optimizer, data iterator, step), or, with
-    none, initialise the model from config.init_from. The checkpoints of a changed config are an error or are
+    none, create the fresh state (`initialise`) and load config.init_from's weights into it. The checkpoints of a changed config are an error or are
     archived first (train.on_config_change; "weights" then initialises from the archived run)."""
     t, init_path = run.config.train, run.config.init_from
     try:
@@ -279,7 +285,9 @@ def restore(run: StageRun):
         restored, run.ckpt = None, Checkpoints(run.workdir, t.keep_checkpoints, t.async_checkpoints)
     if restored:
         resume_from(run, restored)
-    elif init_path:
+        return
+    initialise(run)
+    if init_path:
         init_weights(run, init_path)
 
 
