@@ -237,8 +237,11 @@ def setup(config, workdir: str, cfg: ModelConfig, data_cfg, stage: Stage) -> Sta
         raise ConfigError(f"model.vocab_size={cfg.vocab_size}: must be >= the tokenizer's {data.tokenizer.vocab_size}")
     print(f"data: {data!r}; {len(eval_set)} eval batches; mesh {dict(mesh.shape)}, {nproc} process(es)")
 
-    graphdef, init = sharded_init(lambda: GLM(cfg, nnx.Rngs(t.seed)), mesh, TRAINABLE[stage.trainable], ...)
-    params, rest = jax.eval_shape(init)  # shapes and shardings; the arrays: a checkpoint's, or `initialise`'s
+    # one initialiser program per model, whatever the stage trains (the recipe's stages share its compilation)
+    graphdef, init = sharded_init(lambda: GLM(cfg, nnx.Rngs(t.seed)), mesh)
+    init_split = lambda: nnx.split_state(init()[0], TRAINABLE[stage.trainable], ...)  # noqa: E731
+    # shapes and shardings; the arrays: a checkpoint's, or `initialise`'s
+    params, rest = nnx.split_state(jax.eval_shape(init)[0], TRAINABLE[stage.trainable], ...)
     n_train, n_all = count_params(params), count_params(nnx.merge_state(params, rest).filter(nnx.Param))
     mode = stage.mode or t.mode
     print(f"stage {config.stage}: attention {mode}, trains {stage.trainable} ({n_train:,} of {n_all:,} params); "
@@ -247,7 +250,7 @@ def setup(config, workdir: str, cfg: ModelConfig, data_cfg, stage: Stage) -> Sta
     print(groups)
     opt_state = abstract(jax.eval_shape(tx.init, params), opt_state_shardings(tx, params, mesh))
     run = StageRun(config, workdir, cfg, stage, mode, mesh, data, iter(data), eval_set, graphdef, params, rest,
-                   opt_state, tx, groups, None, fingerprint(config), n_train, n_all, init=init)
+                   opt_state, tx, groups, None, fingerprint(config), n_train, n_all, init=init_split)
     build_steps(run)
     try:
         run.ckpt = Checkpoints(workdir, t.keep_checkpoints, t.async_checkpoints)

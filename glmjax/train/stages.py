@@ -64,8 +64,9 @@ def layer_names(cfg: ModelConfig, flat: dict) -> dict:
         path = tuple(str(p) for p in path)
         if path[0] == "stacks":
             s, j, rest = int(path[1]), int(path[4]), path[5:]
+            host = np.asarray(value)  # sliced on the host: no program compiled per slice shape
             for u, start in enumerate(plans[s].starts):
-                out[("layers", str(start + j)) + rest] = np.asarray(value[u])
+                out[("layers", str(start + j)) + rest] = host[u]
         else:
             out[path] = value
     return out
@@ -87,12 +88,12 @@ def surgery(model, source: dict, source_cfg: ModelConfig) -> list[str]:
             s, j, rest = int(spath[1]), int(spath[4]), spath[5:]
             names = [("layers", str(start + j)) + rest for start in plans[s].starts]
             slices = []
-            for u, name in enumerate(names):
+            for u, name in enumerate(names):  # on the host: no program compiled per slice shape
                 if name in src:
-                    slices.append(_checked(src[name], value[u].shape, name))
+                    slices.append(_checked(src[name], value.shape[1:], name))
                     used.add(name)
                 else:
-                    slices.append(np.asarray(value[u]))
+                    slices.append(np.asarray(value)[u])
                     fresh.append(name)
             new[path] = np.stack(slices).astype(value.dtype)
         elif spath in src:
