@@ -106,8 +106,8 @@ def test_the_counter_sees_a_recompile_from_uncommitted_inputs():
 
 def test_trainer_mesh_step_is_compiled_before_its_first_call(tmp_path):
     """The step as glmjax.train.loop builds it (sharded state on a 2-device mesh, global batches of the data
-    pipeline): `setup` compiles it in a thread while `restore` creates the model, so not even the first call compiles, and
-    nothing compiles after."""
+    pipeline): `setup` compiles it in a thread while `restore` creates the model, so not even the first call
+    compiles, and nothing compiles after."""
     from glmjax.train import loop
 
     config = small_config()

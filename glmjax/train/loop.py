@@ -269,8 +269,9 @@ def initialise(run: StageRun):
 
 def restore(run: StageRun):
     """Resume from the newest readable checkpoint of the workdir (model, optimizer, data iterator, step), or, with
-    none, create the fresh state (`initialise`) and load config.init_from's weights into it. The checkpoints of a changed config are an error or are
-    archived first (train.on_config_change; "weights" then initialises from the archived run)."""
+    none, create the fresh state (`initialise`) and load config.init_from's weights into it. The checkpoints of a
+    changed config are an error or are archived first (train.on_config_change; "weights" then initialises from the
+    archived run)."""
     t, init_path = run.config.train, run.config.init_from
     try:
         restored = run.ckpt.restore_latest(nnx.merge_state(run.params, run.rest).to_pure_dict(), run.opt_state,
