@@ -8,7 +8,8 @@ policy, plus a table of start -> end numbers per seed.
 Each seed changes ppo.seed, which seeds the model's initialisation, the supervised warm-up's demonstrations and
 the rollouts. Runs go to --workdir/seed<N> (metrics.jsonl as train.py writes it); --reuse plots existing runs.
 
-    python bench/ppo_curves.py --tasks arith rle tool [--steps 100] [--seeds 0 1 2]   # docs/ppo_<task>.png
+    python bench/ppo_curves.py --tasks arith rle tool [--steps 100] [--seeds 0 1 2] [--actor-lr 2e-5]
+    # -> docs/ppo_<task>.png
 
 --tasks runs the user's path on each task of bench/rl_tasks.py (SFT JSONL through stage sft, then PPO and GRPO
 on its prompts file from that checkpoint), plots both methods' seeds per task, and prints one table row per task,
@@ -90,10 +91,11 @@ def table(runs: dict[int, list[dict]]) -> str:
     return "\n".join(lines)
 
 
-def task_runs(task: str, root: str, seeds, steps: int | None) -> dict[str, dict[int, list[dict]]]:
+def task_runs(task: str, root: str, seeds, steps: int | None, actor_lr: float | None = None
+              ) -> dict[str, dict[int, list[dict]]]:
     """The user's path on one task of bench/rl_tasks.py: its files, `train.py` stage sft (once), then PPO (gae) and
-    GRPO from that checkpoint for every seed -> {method: {seed: metrics rows}}. Finished workdirs are reused and
-    interrupted ones resume (rerun the same command)."""
+    GRPO from that checkpoint for every seed (the actor's lr: configs/ppo_tiny.py's, or `actor_lr`) -> {method:
+    {seed: metrics rows}}. Finished workdirs are reused and interrupted ones resume (rerun the same command)."""
     from glmjax.launch import run
     from rl_tasks import ppo_config, sft_config, write_task
 
@@ -104,8 +106,11 @@ def task_runs(task: str, root: str, seeds, steps: int | None) -> dict[str, dict[
     for method in ("gae", "grpo"):
         out[method] = {}
         for seed in seeds:
-            wd = os.path.join(root, f"{method}_seed{seed}")
-            run(ppo_config(task, paths, sft, method, seed, steps), wd)
+            wd = os.path.join(root, f"{method}_seed{seed}" + (f"_lr{actor_lr:g}" if actor_lr else ""))
+            c = ppo_config(task, paths, sft, method, seed, steps)
+            if actor_lr:
+                c.optim.lr = actor_lr
+            run(c, wd)
             out[method][seed] = read(wd)
     return out
 
@@ -182,6 +187,7 @@ def main():
     ap.add_argument("--tasks", nargs="+", default=None, choices=("arith", "rle", "tool"),
                     help="instead of --config: the bench/rl_tasks.py tasks, SFT by train.py then PPO and GRPO")
     ap.add_argument("--steps", type=int, default=None, help="PPO steps of the task runs (default: ppo_tiny's)")
+    ap.add_argument("--actor-lr", type=float, default=None, help="with --tasks: the actor's lr (default: ppo_tiny's)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--workdir", default="runs/ppo_curves")
     ap.add_argument("--out", default="docs/ppo_curves.png", help="with --tasks: docs/ppo_<task>.png")
@@ -190,7 +196,7 @@ def main():
     if args.tasks:
         tables, ok = [], True
         for task in args.tasks:
-            runs = task_runs(task, os.path.join(args.workdir, task), args.seeds, args.steps)
+            runs = task_runs(task, os.path.join(args.workdir, task), args.seeds, args.steps, args.actor_lr)
             out = os.path.join(os.path.dirname(args.out) or ".", f"ppo_{task}.png")
             plot_task(task, runs, out, f"task {task}: SFT (train.py) then PPO / GRPO, seeds {args.seeds}")
             t, met = task_table(task, runs)

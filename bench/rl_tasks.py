@@ -88,7 +88,8 @@ class TaskSpec:
 
 
 TASKS = {
-    "arith": TaskSpec(sum_problem, sft_steps=300, max_prompt_len=7, max_response_len=5),
+    # 300 SFT steps: held-out greedy 0.068 (nothing for RL to learn from); 900: 0.684; 550: 0.573 (docs/ppo.md)
+    "arith": TaskSpec(sum_problem, sft_steps=550, max_prompt_len=7, max_response_len=5),
     "rle": TaskSpec(rle_problem, sft_steps=200, max_prompt_len=12, max_response_len=14),
     "tool": TaskSpec(tool_problem, sft_steps=200, max_prompt_len=10, max_response_len=24, env="tool"),
 }
