@@ -1,6 +1,6 @@
-"""End-to-end PPO on CPU (slow, but for the options run): a tiny GLM (2 layers: MLA + DSA sparse attention + MoE + IndexShare) is briefly
-supervised on a task with its own LM loss, handed to `train_ppo` through the `load_params` hook (the path a
-checkpoint loader takes), and trained with critic PPO and asynchronous rollouts."""
+"""End-to-end PPO on CPU (slow, but for the options run): a tiny GLM (2 layers: MLA + DSA sparse attention + MoE +
+IndexShare) is briefly supervised on a task with its own LM loss, handed to `train_ppo` through the `load_params`
+hook (the path a checkpoint loader takes), and trained with critic PPO and asynchronous rollouts."""
 import json
 import os
 import shutil
