@@ -239,9 +239,8 @@ def setup(config, workdir: str, cfg: ModelConfig, data_cfg, stage: Stage) -> Sta
 
     # one initialiser program per model, whatever the stage trains (the recipe's stages share its compilation)
     graphdef, init = sharded_init(lambda: GLM(cfg, nnx.Rngs(t.seed)), mesh)
-    init_split = lambda: nnx.split_state(init()[0], TRAINABLE[stage.trainable], ...)  # noqa: E731
-    # shapes and shardings; the arrays: a checkpoint's, or `initialise`'s
-    params, rest = nnx.split_state(jax.eval_shape(init)[0], TRAINABLE[stage.trainable], ...)
+    split = lambda state: nnx.split_state(state, TRAINABLE[stage.trainable], ...)  # noqa: E731 -> (params, rest)
+    params, rest = split(jax.eval_shape(init)[0])  # shapes and shardings; the arrays: a checkpoint's, or `initialise`'s
     n_train, n_all = count_params(params), count_params(nnx.merge_state(params, rest).filter(nnx.Param))
     mode = stage.mode or t.mode
     print(f"stage {config.stage}: attention {mode}, trains {stage.trainable} ({n_train:,} of {n_all:,} params); "
@@ -250,7 +249,7 @@ def setup(config, workdir: str, cfg: ModelConfig, data_cfg, stage: Stage) -> Sta
     print(groups)
     opt_state = abstract(jax.eval_shape(tx.init, params), opt_state_shardings(tx, params, mesh))
     run = StageRun(config, workdir, cfg, stage, mode, mesh, data, iter(data), eval_set, graphdef, params, rest,
-                   opt_state, tx, groups, None, fingerprint(config), n_train, n_all, init=init_split)
+                   opt_state, tx, groups, None, fingerprint(config), n_train, n_all, init=lambda: split(init()[0]))
     build_steps(run)
     try:
         run.ckpt = Checkpoints(workdir, t.keep_checkpoints, t.async_checkpoints)

@@ -87,13 +87,15 @@ def surgery(model, source: dict, source_cfg: ModelConfig) -> list[str]:
         if spath[0] == "stacks":
             s, j, rest = int(spath[1]), int(spath[4]), spath[5:]
             names = [("layers", str(start + j)) + rest for start in plans[s].starts]
+            # fresh layers keep this model's slices, taken on the host (no program compiled per slice shape)
+            host = np.asarray(value) if any(name not in src for name in names) else None
             slices = []
-            for u, name in enumerate(names):  # on the host: no program compiled per slice shape
+            for u, name in enumerate(names):
                 if name in src:
                     slices.append(_checked(src[name], value.shape[1:], name))
                     used.add(name)
                 else:
-                    slices.append(np.asarray(value)[u])
+                    slices.append(host[u])
                     fresh.append(name)
             new[path] = np.stack(slices).astype(value.dtype)
         elif spath in src:
