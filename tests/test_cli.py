@@ -117,7 +117,8 @@ def test_train_py_on_cpu_starts_clean_and_reruns_from_the_compilation_cache(tmp_
     """`python train.py --config=configs/tiny.py` as a user runs it (no JAX_PLATFORMS, libtpu installed with the test
     extra, no TPU attached): no libtpu initialisation line in its output. The per-user compilation cache is on by
     default: the first run writes it, a rerun of the same stage in a new workdir adds no entry (it compiled
-    nothing). Off (`--compilation_cache=`, i.e. `configure_jax("")`): a process that compiles writes nothing, also with
+    nothing), and reads its train step and initialiser from the program cache inside it (glmjax/train/programs.py:
+    neither traced nor lowered) with the same losses. Off (`--compilation_cache=`, i.e. `configure_jax("")`): a process that compiles writes nothing, also with
     GLMJAX_CACHE_DIR set (a refused resume of train.py would not do: it now stops before anything compiles)."""
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")}
     env["GLMJAX_CACHE_DIR"] = cache = str(tmp_path / "cache")
@@ -125,11 +126,16 @@ def test_train_py_on_cpu_starts_clean_and_reruns_from_the_compilation_cache(tmp_
              "--config.train.batch_size=2", "--config.train.eval_batches=0", "--config.data.max_docs=20",
              "--config.optim.warmup_steps=1"]
 
-    def train(name):
-        p = subprocess.run([sys.executable, "train.py", *flags, f"--workdir={tmp_path / name}"], cwd=ROOT, env=env,
-                           capture_output=True, text=True, timeout=300)
+    def train(name, log_compiles=False):
+        p = subprocess.run([sys.executable, "train.py", *flags, f"--workdir={tmp_path / name}"], cwd=ROOT,
+                           env={**env, "JAX_LOG_COMPILES": str(int(log_compiles))}, capture_output=True, text=True,
+                           timeout=300)
         assert p.returncode == 0, p.stderr[-3000:]
         return p.stdout + p.stderr
+
+    def losses(name):
+        with open(tmp_path / name / "metrics.jsonl") as f:
+            return [r["loss"] for r in map(json.loads, f) if "loss" in r]
 
     def entries():
         return set(os.listdir(cache)) if os.path.isdir(cache) else set()
@@ -138,8 +144,12 @@ def test_train_py_on_cpu_starts_clean_and_reruns_from_the_compilation_cache(tmp_
     assert not [line for line in out.splitlines() if any(n in line for n in LIBTPU_NOISE)], out[-3000:]
     cold = entries()
     assert len(cold) > 5, cold  # the train step, the evaluation of the state, model set-up's small programs
-    train("warm")
+    assert len(os.listdir(os.path.join(cache, "programs"))) == 2  # the train step and the initialiser
+    log = train("warm", log_compiles=True)
     assert entries() == cold  # every program of the rerun came from the cache
+    assert "Finished tracing train_step" not in log and "conversion jit(init)" not in log, log[-3000:]
+    assert "Finished tracing" in log  # the control: the log is on (the rerun still traces small programs)
+    assert losses("warm") == losses("cold") and len(losses("cold")) == 2
     for arg, written in (("''", False), ("None", True)):  # off; then the control: the same process with it on
         env["GLMJAX_CACHE_DIR"] = other = str(tmp_path / f"other_{written}")
         p = subprocess.run([sys.executable, "-c", "import jax; from glmjax.cli.runtime import configure_jax; "

@@ -13,6 +13,7 @@ Errors in the config, the flags, the data or the checkpoints end in one line on 
 (2: config / flags / data, 3: no usable checkpoint, 1: stopped on a non-finite loss or a full disk); --debug adds
 the traceback.
 """
+import os
 import sys
 
 from absl import app, flags, logging
@@ -65,7 +66,10 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint file at INFO
     from glmjax.cli.runtime import configure_jax
 
-    configure_jax(FLAGS.compilation_cache)
+    cache = configure_jax(FLAGS.compilation_cache)
+    from glmjax.train import programs
+
+    programs.enable(os.path.join(cache, "programs") if cache else None)  # compiled train steps, beside the cache
     from glmjax.config import ConfigError
     from glmjax.data.sources import DataError
     from glmjax.launch import run

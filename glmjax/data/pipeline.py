@@ -355,6 +355,13 @@ class Pipeline:
                 out.append(empty_batch(self.local_batch_size, self.seq_len, self.tokenizer.pad_id))
         return out
 
+    def start(self) -> None:
+        """Start preparing batches in the background thread now (with `prefetch` > 0), not at the first `next`: a
+        training run calls this once its data position is restored, so that the first batch is ready when the
+        step has compiled. A later `set_state` discards what was prepared."""
+        if hasattr(self._it, "start_prefetch"):
+            self._it.start_prefetch()
+
     def get_state(self) -> dict[str, Any]:
         """JSON-able state after the last batch returned."""
         return copy.deepcopy(self._it.get_state())

@@ -42,6 +42,7 @@ from glmjax.train.checkpoint import Checkpoints, intact_steps, newest_meta
 from glmjax.train.config import stage_config, validate_recipe, validate_stage, validate_train_config
 from glmjax.train.hooks import CheckpointHook, EvalHook, MetricsLog, due, stop_signals
 from glmjax.train.init_from import INIT_MARKERS, init_model
+from glmjax.train.programs import load_or_compile
 from glmjax.train.resume import ConfigMismatch, archive_run, check_resume, config_diff, fingerprint
 from glmjax.train.stages import STAGES, TRAINABLE, Stage
 from glmjax.train.step import count_params, make_eval_step, make_optimizer, make_train_step
@@ -205,6 +206,7 @@ def train(config, workdir: str, progress: bool = True) -> dict:
     run = setup(config, workdir, cfg, data_cfg, stage)
     try:
         restore(run)
+        run.data.start()  # the first batch is prepared while the train step finishes compiling
         run.train_step = run.train_step.result()
     except BaseException:
         run.train_step.join()  # never leave a compile running behind an error (the step's own error: joined)
@@ -239,6 +241,8 @@ def setup(config, workdir: str, cfg: ModelConfig, data_cfg, stage: Stage) -> Sta
 
     # one initialiser program per model, whatever the stage trains (the recipe's stages share its compilation)
     graphdef, init = sharded_init(lambda: GLM(cfg, nnx.Rngs(t.seed)), mesh)
+    init_key = {"init": cfg.to_json_dict(), "seed": t.seed,  # the mesh: parallel.* (and the devices: programs.py)
+                "parallel": {k: v for k, v in fingerprint(config).items() if k.startswith("parallel.")}}
     split = lambda state: nnx.split_state(state, TRAINABLE[stage.trainable], ...)  # noqa: E731 -> (params, rest)
     params, rest = split(jax.eval_shape(init)[0])  # shapes and shardings; the arrays: a checkpoint's, or `initialise`'s
     n_train, n_all = count_params(params), count_params(nnx.merge_state(params, rest).filter(nnx.Param))
@@ -249,7 +253,8 @@ def setup(config, workdir: str, cfg: ModelConfig, data_cfg, stage: Stage) -> Sta
     print(groups)
     opt_state = abstract(jax.eval_shape(tx.init, params), opt_state_shardings(tx, params, mesh))
     run = StageRun(config, workdir, cfg, stage, mode, mesh, data, iter(data), eval_set, graphdef, params, rest,
-                   opt_state, tx, groups, None, fingerprint(config), n_train, n_all, init=lambda: split(init()[0]))
+                   opt_state, tx, groups, None, fingerprint(config), n_train, n_all,
+                   init=lambda: split(load_or_compile(init, (), init_key)()[0]))
     build_steps(run)
     try:
         run.ckpt = Checkpoints(workdir, t.keep_checkpoints, t.async_checkpoints)
@@ -319,6 +324,11 @@ def init_weights(run: StageRun, path: str):
     run.params, run.rest = jax.device_put((new_params, new_rest), shardings)
 
 
+# config fields that never reach the train step: a rerun that changes only these finds its compiled step
+LOOP_ONLY = ("init_from", "data.", "train.log_every", "train.eval_every", "train.eval_batches",
+             "train.checkpoint_every", "train.keep_checkpoints", "train.async_checkpoints", "train.tensorboard")
+
+
 def build_steps(run: StageRun):
     """The stage's jitted train and eval steps, sharded like the state (`run`'s abstract state: shapes and
     shardings). The train step starts compiling at once, in a thread (`run.train_step` is then a `Background`
@@ -334,9 +344,8 @@ def build_steps(run: StageRun):
 
     run.eval_step = make_eval_step(run.graphdef, run.stage, run.mode, mesh=run.mesh, state=(run.params, run.rest))
 
-    def compile_step():
-        step.lower(*args).compile()  # fills the jit's caches
-        return step
+    key = {k: v for k, v in run.run_fp.items() if not k.startswith(LOOP_ONLY)}
+    compile_step = lambda: load_or_compile(step, args, key)  # noqa: E731 -> the compiled step
 
     run.train_step = Background(compile_step)  # last: nothing here raises with the thread running
 
