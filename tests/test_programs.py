@@ -1,7 +1,8 @@
 """glmjax/train/programs.py: a compiled program written by one call is read back by the next with the same key (no
 lowering: the jitted function's `lower` is made to fail), computes what the compiled program computes, and any
 change of key -- arguments' shapes, the caller's fields, the source of the packages -- is a miss; a damaged file
-is replaced with a warning; an executable JAX read from its own cache is not written (it does not reload)."""
+is replaced with a warning, and one whose first call fails is removed; an executable JAX read from its own cache
+is not written (it does not reload), nor one traced while the source files changed."""
 import os
 import sys
 
@@ -54,7 +55,7 @@ def test_a_program_is_written_once_and_read_back_with_the_same_results(cache, mo
         programs.load_or_compile(NoLowering(), (args[0], jax.ShapeDtypeStruct((5,), y.dtype)), {"name": "f"})
     with pytest.raises(AssertionError, match="lowered"):
         programs.load_or_compile(NoLowering(), args, {"name": "g"})
-    monkeypatch.setattr(programs, "source_digest", lambda: "an edited glmjax")
+    monkeypatch.setattr(programs, "_DIGEST", "an edited glmjax")
     with pytest.raises(AssertionError, match="lowered"):
         programs.load_or_compile(NoLowering(), args, {"name": "f"})
 
@@ -78,6 +79,29 @@ def test_a_damaged_program_is_replaced_and_a_cache_loaded_one_is_not_written(cac
     assert files(cache) == []
 
 
+def test_a_program_whose_first_call_fails_is_removed_and_one_traced_from_changed_files_is_not_written(
+        cache, monkeypatch):
+    path = cache / "x.program"
+    cache.mkdir()
+    path.write_bytes(b"x")
+
+    def broken(*args):
+        raise RuntimeError("INTERNAL: Function wrapped_broadcast.1 not found")
+
+    with pytest.raises(RuntimeError, match="not found"):
+        programs.FirstCallGuard(broken, str(path))(1)
+    assert not path.exists()
+    path.write_bytes(b"x")
+    guarded = programs.FirstCallGuard(lambda v: v + 1, str(path))
+    assert guarded(1) == 2 and guarded(2) == 3 and path.exists()
+
+    fn, _ = fresh_fn()
+    args = (jax.ShapeDtypeStruct((3,), jnp.float32), jax.ShapeDtypeStruct((2,), jnp.float32))
+    monkeypatch.setattr(programs, "source_digest", lambda: "files edited after the start")
+    programs.load_or_compile(fn, args, {})
+    assert files(cache) == ["x.program"]
+
+
 def fresh_again(fn):
     """The same function under a new jit (no in-memory executable: the compile goes to JAX's persistent cache)."""
     return jax.jit(fn.__wrapped__, donate_argnums=0)
@@ -90,7 +114,7 @@ def test_source_digest_covers_every_python_file(tmp_path, monkeypatch):
     (pkg / "sub" / "m.py").write_text("A = 1\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(programs, "PACKAGES", ("digest_pkg",))
-    digest = programs.source_digest.__wrapped__
+    digest = programs.source_digest
     first = digest()
     (pkg / "sub" / "m.py").write_text("A = 2\n")
     assert digest() != first

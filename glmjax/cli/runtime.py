@@ -10,6 +10,9 @@
   No size limit is set: JAX's LRU eviction (`jax_compilation_cache_max_size`) is not safe for several processes
   sharing the directory (seen: "Error writing persistent compilation cache entry ... -atime: No such file"); delete
   the directory to reclaim the space.
+- **Compiled train steps beside it** (`glmjax-train` / train.py only): `<cache>/programs/` holds the train step and
+  the initialiser of each stage run, keyed by the code and config they are traced from, so a rerun skips tracing and
+  lowering them as well (glmjax/train/programs.py says what the key covers).
   Executables compiled for a described TPU topology bypass it (`pallas_kernels.aot.compile_uncached`).
 - **No libtpu start-up noise on a machine without a TPU**: with `jax[tpu]` installed (the test extra brings it),
   JAX tries its TPU backend on every machine, and libtpu prints initialisation errors ("Failed to find host bounds

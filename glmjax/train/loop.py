@@ -211,6 +211,7 @@ def train(config, workdir: str, progress: bool = True) -> dict:
     except BaseException:
         run.train_step.join()  # never leave a compile running behind an error (the step's own error: joined)
         run.ckpt.close()
+        run.data.close()  # and no prefetch thread
         raise
     with stop_signals() as stop:
         summary: dict = {"stage": config.stage, "params": run.n_all, "trainable_params": run.n_train,
