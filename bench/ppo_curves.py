@@ -9,6 +9,7 @@ Each seed changes ppo.seed, which seeds the model's initialisation, the supervis
 the rollouts. Runs go to --workdir/seed<N> (metrics.jsonl as train.py writes it); --reuse plots existing runs.
 
     python bench/ppo_curves.py --tasks arith rle tool [--steps 100] [--seeds 0 1 2] [--actor-lr 2e-5]
+        [--set ppo.step_kl=None ...]
     # -> docs/ppo_<task>.png
 
 --tasks runs the user's path on each task of bench/rl_tasks.py (SFT JSONL through stage sft, then PPO and GRPO
@@ -19,6 +20,7 @@ its start).
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import runpy
@@ -91,7 +93,24 @@ def table(runs: dict[int, list[dict]]) -> str:
     return "\n".join(lines)
 
 
-def task_runs(task: str, root: str, seeds, steps: int | None, actor_lr: float | None = None
+def overrides(config, sets: list[str]):
+    """--set ppo.step_kl=0.01 optim.lr=2e-5 ...: each dotted field of `config` set to the Python literal (or the
+    string) after '='."""
+    for item in sets:
+        key, _, text = item.partition("=")
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            value = text
+        *path, leaf = key.split(".")
+        node = config
+        for part in path:
+            node = node[part]
+        node[leaf] = value
+    return config
+
+
+def task_runs(task: str, root: str, seeds, steps: int | None, actor_lr: float | None = None, sets=()
               ) -> dict[str, dict[int, list[dict]]]:
     """The user's path on one task of bench/rl_tasks.py: its files, `train.py` stage sft (once), then PPO (gae) and
     GRPO from that checkpoint for every seed (the actor's lr: configs/ppo_tiny.py's, or `actor_lr`) -> {method:
@@ -106,8 +125,9 @@ def task_runs(task: str, root: str, seeds, steps: int | None, actor_lr: float | 
     for method in ("gae", "grpo"):
         out[method] = {}
         for seed in seeds:
-            wd = os.path.join(root, f"{method}_seed{seed}" + (f"_lr{actor_lr:g}" if actor_lr else ""))
-            c = ppo_config(task, paths, sft, method, seed, steps)
+            wd = os.path.join(root, f"{method}_seed{seed}" + (f"_lr{actor_lr:g}" if actor_lr else "")
+                              + "".join(f"_{s}" for s in sets))
+            c = overrides(ppo_config(task, paths, sft, method, seed, steps), sets)
             if actor_lr:
                 c.optim.lr = actor_lr
             run(c, wd)
@@ -188,6 +208,8 @@ def main():
                     help="instead of --config: the bench/rl_tasks.py tasks, SFT by train.py then PPO and GRPO")
     ap.add_argument("--steps", type=int, default=None, help="PPO steps of the task runs (default: ppo_tiny's)")
     ap.add_argument("--actor-lr", type=float, default=None, help="with --tasks: the actor's lr (default: ppo_tiny's)")
+    ap.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
+                    help="config overrides of every PPO run, e.g. ppo.step_kl=0.03 (and its workdir's name)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--workdir", default="runs/ppo_curves")
     ap.add_argument("--out", default="docs/ppo_curves.png", help="with --tasks: docs/ppo_<task>.png")
@@ -196,7 +218,7 @@ def main():
     if args.tasks:
         tables, ok = [], True
         for task in args.tasks:
-            runs = task_runs(task, os.path.join(args.workdir, task), args.seeds, args.steps, args.actor_lr)
+            runs = task_runs(task, os.path.join(args.workdir, task), args.seeds, args.steps, args.actor_lr, args.set)
             out = os.path.join(os.path.dirname(args.out) or ".", f"ppo_{task}.png")
             plot_task(task, runs, out, f"task {task}: SFT (train.py) then PPO / GRPO, seeds {args.seeds}")
             t, met = task_table(task, runs)
@@ -208,9 +230,9 @@ def main():
         return
     runs = {}
     for seed in args.seeds:
-        wd = os.path.join(args.workdir, f"seed{seed}")
+        wd = os.path.join(args.workdir, f"seed{seed}" + "".join(f"_{s}" for s in args.set))
         if not args.reuse:
-            c = runpy.run_path(args.config)["get_config"]()
+            c = overrides(runpy.run_path(args.config)["get_config"](), args.set)
             c.ppo.seed = seed
             train_ppo(c, wd, progress=True)
         runs[seed] = read(wd)

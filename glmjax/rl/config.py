@@ -77,11 +77,12 @@ def default_ppo_config(**overrides) -> ml_collections.ConfigDict:
     # trust region: a PPO step stops updating the actor once the mean approximate KL(pi_old || pi) of a
     # mini-batch, measured before its update, exceeds this (None = never; the critic keeps training)
     c.target_kl = ml_collections.FieldReference(0.05, field_type=float)
-    # with target_kl: the actor's step size follows the trust region. A step that hit target_kl halves a multiplier
-    # of the actor's learning rate; a step whose largest measured KL stayed under target_kl / 4 raises it by 1.5x, up
-    # to 1 (the configured lr is the ceiling). One update at a fixed lr moves a confident (SFT) policy far more
-    # than a diffuse one: docs/ppo.md "From an SFT checkpoint". Off by default until it is measured on the demo.
-    c.adapt_lr = False
+    # the actor's step size follows the KL it causes: after each PPO step a multiplier of the actor's learning rate
+    # is scaled by sqrt(step_kl / the step's measured KL(pi_old || pi)) (a small step's KL grows with its square),
+    # by 1/4 to 3/2 per step and never above 1 (the configured lr is the ceiling). One update at a fixed lr moves a
+    # confident (SFT) policy far more than a diffuse one: docs/ppo.md "From an SFT checkpoint" (0.01 there: no
+    # collapse, no gain yet). None = a fixed lr (the default until a value serves both the demo and an SFT start).
+    c.step_kl = placeholder(float)
     c.freeze_indexer = True  # DSA indexer frozen during RL (GLM-5)
     c.logprob_chunk = 512  # sequence chunk of the log-prob / entropy computation (never [B, S, V] at once)
     # ----- initialisation, evaluation, logging
@@ -148,8 +149,7 @@ def validate_ppo_config(config) -> ModelConfig:
     choice("policy_loss", POLICY_LOSSES)
     choice("loss_agg", AGGREGATIONS)
     choice("sft_script", ("direct", "calc"))
-    for f in ("async_rollout", "whiten_advantages", "grpo_std", "interceptor", "freeze_indexer", "save_policy",
-              "adapt_lr"):
+    for f in ("async_rollout", "whiten_advantages", "grpo_std", "interceptor", "freeze_indexer", "save_policy"):
         boolean(f)
     if not p.freeze_indexer:
         fail("freeze_indexer", "must be True: PPO's losses never reach the indexer (top-k is not differentiable) "
@@ -185,6 +185,7 @@ def validate_ppo_config(config) -> ModelConfig:
     if p.dual_clip is not None and not p.dual_clip > 1:
         fail("dual_clip", "must be > 1 (or None)")
     number("target_kl", 0, low_open=True, allow_none=True)
+    number("step_kl", 0, low_open=True, allow_none=True)
     number("icepop_low", 0, low_open=True)
     number("icepop_high")
     if not p.icepop_high > p.icepop_low:

@@ -24,6 +24,7 @@ glmjax/train/hooks.py's.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from typing import Callable
@@ -154,7 +155,7 @@ class Learner:
                                 PolicyLossConfig(p.policy_loss, p.clip_low, p.clip_high, p.dual_clip, p.icepop_low,
                                                  p.icepop_high), p.entropy_coef, p.kl_coef, p.value_clip)
         self.rng = np.random.default_rng(p.seed + 2)
-        self.lr_scale = 1.0  # the trust region's multiplier of the actor's learning rate (ppo.adapt_lr)
+        self.lr_scale = 1.0  # the multiplier of the actor's learning rate that ppo.step_kl steers
 
     def policy_state(self):
         """The actor's complete model state (what the Decoder runs)."""
@@ -201,21 +202,21 @@ class Learner:
                     m.update({k: float(v) for k, v in sums.items()}, critic_grad_norm=float(gnorm))
         if train_actor:
             m.update(actor_updates=actor_updates, kl_stopped=kl_stopped, actor_lr_scale=self.lr_scale)
-            self.adapt_lr(kl_stopped, kl_seen)
+            self.adapt_lr(kl_seen)
         m["train_tokens"] = float(np.sum(data["segment_ids"] > 0)) * p.ppo_epochs
         return m
 
-    def adapt_lr(self, kl_stopped: bool, kl_seen: list[float]):
-        """ppo.adapt_lr: after a step that hit target_kl the actor's next steps take half the step size; after one
-        whose measured KL(pi_old || pi) stayed under target_kl / 4, 1.5x (at most the configured lr). kl_seen: the
-        KL measured before each mini-batch after the step's first update."""
+    def adapt_lr(self, kl_seen: list[float]):
+        """ppo.step_kl: the actor's lr multiplier for the next steps from the KL(pi_old || pi) this step caused (the
+        largest of those measured before each mini-batch after the first update, the one that stopped the step
+        included). A small step's KL grows with the square of its size, so sqrt(step_kl / KL) is the factor that
+        would have met step_kl; it is bounded to [1/4, 3/2] per step (one noisy step moves the lr by little) and the
+        multiplier never exceeds 1."""
         p = self.p
-        if not p.adapt_lr or p.target_kl is None:
+        if p.step_kl is None or not kl_seen:
             return
-        if kl_stopped:
-            self.lr_scale *= 0.5
-        elif kl_seen and max(kl_seen) < p.target_kl / 4:
-            self.lr_scale = min(1.0, self.lr_scale * 1.5)
+        factor = math.sqrt(p.step_kl / max(max(kl_seen), 1e-12))
+        self.lr_scale = min(1.0, self.lr_scale * min(max(factor, 0.25), 1.5))
 
     def advantages(self, data: dict, fwd: dict) -> dict:
         """Fills data["advantages"], ["returns"], ["old_values"] over the whole batch; -> metrics."""
