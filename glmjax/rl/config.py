@@ -81,7 +81,7 @@ def default_ppo_config(**overrides) -> ml_collections.ConfigDict:
     # is scaled by sqrt(step_kl / the step's measured KL(pi_old || pi)) (a small step's KL grows with its square),
     # by 1/4 to 3/2 per step and never above 1 (the configured lr is the ceiling). One update at a fixed lr moves a
     # confident (SFT) policy far more than a diffuse one: docs/ppo.md "From an SFT checkpoint" (0.01 there: no
-    # collapse, no gain yet). None = a fixed lr (the default until a value serves both the demo and an SFT start).
+    # collapse, learns on rle). None = a fixed lr (the default until a value serves both the demo and an SFT start).
     c.step_kl = placeholder(float)
     c.freeze_indexer = True  # DSA indexer frozen during RL (GLM-5)
     c.logprob_chunk = 512  # sequence chunk of the log-prob / entropy computation (never [B, S, V] at once)
