@@ -9,7 +9,7 @@
               answer length
 
     python bench/rl_step_probe.py runs/arith --sft-steps 900 --steps 20 --lr 2e-5 [--method grpo] [--seed 0]
-    python bench/rl_step_probe.py runs/arith --sft-steps 900 --compare runs/arith/probe_grpo_lr2e-05/policy
+    python bench/rl_step_probe.py runs/arith --sft-steps 900 --compare runs/arith/probe_grpo_lr2e-05_seed0/policy
 
 The SFT stage is trained first when runs/arith/sft<steps> has no checkpoint. Numbers of 2026-12-06 are in docs/ppo.md
 ("What the steps change" and "Which held-out answers change"); each step's record also goes to the run's
@@ -95,8 +95,8 @@ def greedy_answers(config, workdir: str) -> list[tuple[str, str, str, float]]:
         chunk = r.eval_problems[i:i + r.B]
         envs = [r.make_clean_env(pr, np.random.default_rng([0, i, j])) for j, pr in enumerate(chunk)]
         samples = r.greedy.rollout(state, envs, list(range(len(chunk))), -1, jax.random.key(i))
-        out += [(pr.row["prompt"], pr.row["answer"], bytes(t for t in s.response if t < 256).decode(errors="replace"),
-                 s.reward) for pr, s in zip(chunk, samples)]
+        out += [(pr.row["prompt"], pr.row["answer"], r.text.decode(s.response), s.reward)
+                for pr, s in zip(chunk, samples)]
     return out
 
 
@@ -131,7 +131,7 @@ def main():
     run(sft_cfg, sft)
     if args.compare:
         def config(ckpt):
-            c = ppo_config("arith", paths, ckpt, args.method, args.seed, steps=20)
+            c = ppo_config("arith", paths, ckpt, args.method, args.seed, steps=20)  # no step runs: any count
             c.ppo.eval_problems = 1000  # every held-out problem
             return c
         ref = greedy_answers(config(sft), os.path.join(args.root, "probe_eval"))
