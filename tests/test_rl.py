@@ -594,7 +594,7 @@ def ppo_config(**ppo):
     ("policy_loss", "ppo", r"ppo.policy_loss='ppo': must be one of"),
     ("clip_low", 1.5, r"ppo.clip_low=1.5: must be <= 1"),
     ("dual_clip", 0.9, r"ppo.dual_clip=0.9: must be > 1"),
-    ("step_kl", 0.0, r"ppo.step_kl=0.0: must be > 0"),
+    ("step_kl_per_nat", 0.0, r"ppo.step_kl_per_nat=0.0: must be > 0"),
     ("group_size", 0, r"ppo.group_size=0: must be an integer >= 1"),
     ("micro_batches", 3, r"ppo.prompts_per_step=16: x group_size = 64 rows per step must be divisible"),
     ("max_response_len", 300, r"ppo.max_response_len=300: max_prompt_len \+ max_response_len"),
@@ -629,25 +629,27 @@ def test_config_validation_misc():
     assert resolve_callable("glmjax.rl.tasks:exact_reward", REWARDS, "reward") is exact_reward
 
 
-def test_step_kl_scales_the_actor_lr_by_the_root_of_the_kl_ratio_within_bounds():
-    """ppo.step_kl's rule, by hand: after a step the actor's lr multiplier is multiplied by sqrt(step_kl / the
-    largest KL measured in it), bounded to [1/4, 3/2] per step and to at most 1; a step with no measurement (one
-    update, or the critic's warm-up) or step_kl=None leaves it."""
+def test_step_kl_per_nat_scales_the_actor_lr_by_the_root_of_the_kl_to_budget_ratio_within_bounds():
+    """ppo.step_kl_per_nat's rule, by hand: after a step the actor's lr multiplier is multiplied by sqrt(budget / the
+    largest KL measured in it), budget = step_kl_per_nat x pi_old's entropy, bounded to [1/4, 3/2] per step and to
+    at most 1; a step with no measurement (one update, or the critic's warm-up) or step_kl_per_nat=None leaves it."""
     from types import SimpleNamespace
 
     from glmjax.rl.ppo import Learner
 
-    learner = SimpleNamespace(p=SimpleNamespace(step_kl=0.01), lr_scale=1.0)
+    learner = SimpleNamespace(p=SimpleNamespace(step_kl_per_nat=0.05), lr_scale=1.0)
     seen = []
-    for kl in ([0.04], [0.02, 0.16], [0.0025], [0.0], [], [0.01], [0.00000001], [0.5]):
-        Learner.adapt_lr(learner, kl)
+    for kl, ent in (([0.04], 0.2), ([0.02, 0.16], 0.2), ([0.0025], 0.2), ([0.0], 0.2), ([], 0.2), ([0.01], 0.2),
+                    ([0.00000001], 0.2), ([0.5], 0.2), ([0.04], 3.2)):
+        Learner.adapt_lr(learner, kl, ent)
         seen.append(learner.lr_scale)
-    # 0.04: sqrt(1/4) = 0.5; max 0.16: sqrt(1/16) = 0.25; 0.0025: x2 -> bounded to x1.5; 0.0: x1.5; none: kept;
-    # on target: kept; tiny KL: x1.5 but never above 1; 0.5: sqrt(1/50) = 0.141 -> bounded to x0.25
-    assert seen == pytest.approx([0.5, 0.125, 0.1875, 0.28125, 0.28125, 0.28125, 0.421875, 0.10546875])
-    for _ in range(6):  # 0.105 x 1.5^6 = 1.2
-        Learner.adapt_lr(learner, [0.0])
+    # budget 0.05 x 0.2 = 0.01. 0.04: sqrt(1/4) = 0.5; max 0.16: sqrt(1/16) = 0.25; 0.0025: x2 -> bounded to x1.5;
+    # 0.0: x1.5; none: kept; on budget: kept; tiny KL: x1.5 but never above 1; 0.5: sqrt(1/50) -> bounded to x0.25;
+    # entropy 3.2 makes the budget 0.16: 0.04 is a quarter of it, x2 -> x1.5
+    assert seen == pytest.approx([0.5, 0.125, 0.1875, 0.28125, 0.28125, 0.28125, 0.421875, 0.10546875, 0.158203125])
+    for _ in range(6):  # 0.158 x 1.5^6 = 1.8
+        Learner.adapt_lr(learner, [0.0], 0.2)
     assert learner.lr_scale == 1.0
-    learner.p.step_kl = None
-    Learner.adapt_lr(learner, [1.0])
+    learner.p.step_kl_per_nat = None
+    Learner.adapt_lr(learner, [1.0], 0.2)
     assert learner.lr_scale == 1.0

@@ -155,7 +155,7 @@ class Learner:
                                 PolicyLossConfig(p.policy_loss, p.clip_low, p.clip_high, p.dual_clip, p.icepop_low,
                                                  p.icepop_high), p.entropy_coef, p.kl_coef, p.value_clip)
         self.rng = np.random.default_rng(p.seed + 2)
-        self.lr_scale = 1.0  # the multiplier of the actor's learning rate that ppo.step_kl steers
+        self.lr_scale = 1.0  # the multiplier of the actor's learning rate that ppo.step_kl_per_nat steers
 
     def policy_state(self):
         """The actor's complete model state (what the Decoder runs)."""
@@ -173,7 +173,7 @@ class Learner:
         m.update(self.advantages(data, fwd))
         keys = ["tokens", "segment_ids", "positions", "old_logp", "rollout_logp", "advantages", "returns",
                 "old_values"] + (["ref_logp"] if p.kl_coef else [])
-        actor_updates, kl_stopped, kl_seen = 0, False, []
+        actor_updates, kl_stopped, kl_seen, entropy_old = 0, False, [], None
         for _ in range(p.ppo_epochs):
             for idx in np.array_split(self.rng.permutation(rows), p.minibatches):
                 mb = {k: data[k][idx] for k in keys}
@@ -183,6 +183,8 @@ class Learner:
                 if train_actor and not kl_stopped:
                     grads, sums = accumulate(fns.actor_grads, (self.params, self.rest), mb, p.micro_batches, place)
                     sums = {k: float(v) for k, v in sums.items()}
+                    if entropy_old is None:  # the first mini-batch at the weights that sampled: pi_old's entropy
+                        entropy_old = sums["entropy"]
                     if actor_updates:
                         kl_seen.append(sums["approx_kl_old"])
                     # trust region: this mini-batch's KL(pi_old || pi) at the weights about to be updated; past
@@ -202,20 +204,23 @@ class Learner:
                     m.update({k: float(v) for k, v in sums.items()}, critic_grad_norm=float(gnorm))
         if train_actor:
             m.update(actor_updates=actor_updates, kl_stopped=kl_stopped, actor_lr_scale=self.lr_scale)
-            self.adapt_lr(kl_seen)
+            self.adapt_lr(kl_seen, entropy_old)
         m["train_tokens"] = float(np.sum(data["segment_ids"] > 0)) * p.ppo_epochs
         return m
 
-    def adapt_lr(self, kl_seen: list[float]):
-        """ppo.step_kl: the actor's lr multiplier for the next steps from the KL(pi_old || pi) this step caused (the
-        largest of those measured before each mini-batch after the first update, the one that stopped the step
-        included). A small step's KL grows with the square of its size, so sqrt(step_kl / KL) is the factor that
-        would have met step_kl; it is bounded to [1/4, 3/2] per step (one noisy step moves the lr by little) and the
-        multiplier never exceeds 1."""
+    def adapt_lr(self, kl_seen: list[float], entropy: float | None):
+        """ppo.step_kl_per_nat: the actor's lr multiplier for the next steps from the KL(pi_old || pi) this step caused
+        (the largest of those measured before each mini-batch after the first update, the one that stopped the step
+        included), against a budget of step_kl_per_nat x pi_old's mean token entropy on the step's first mini-batch:
+        the same update moves a sharp policy (an SFT checkpoint) further, relative to how much it is unsure of, than a
+        diffuse one. A small step's KL grows with the square of its size, so sqrt(budget / KL) is the factor that
+        would have met the budget; it is bounded to [1/4, 3/2] per step (one noisy step moves the lr by little) and
+        the multiplier never exceeds 1."""
         p = self.p
-        if p.step_kl is None or not kl_seen:
+        if p.step_kl_per_nat is None or not kl_seen or entropy is None:
             return
-        factor = math.sqrt(p.step_kl / max(max(kl_seen), 1e-12))
+        budget = p.step_kl_per_nat * max(entropy, 1e-6)
+        factor = math.sqrt(budget / max(max(kl_seen), 1e-12))
         self.lr_scale = min(1.0, self.lr_scale * min(max(factor, 0.25), 1.5))
 
     def advantages(self, data: dict, fwd: dict) -> dict:
