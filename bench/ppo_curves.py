@@ -9,7 +9,7 @@ Each seed changes ppo.seed, which seeds the model's initialisation, the supervis
 the rollouts. Runs go to --workdir/seed<N> (metrics.jsonl as train.py writes it); --reuse plots existing runs.
 
     python bench/ppo_curves.py --tasks arith rle tool [--steps 100] [--seeds 0 1 2] [--actor-lr 2e-5]
-        [--set ppo.step_kl=None ...]
+        [--set ppo.step_kl_per_nat=None ...]
     # -> docs/ppo_<task>.png
 
 --tasks runs the user's path on each task of bench/rl_tasks.py (SFT JSONL through stage sft, then PPO and GRPO
@@ -94,7 +94,7 @@ def table(runs: dict[int, list[dict]]) -> str:
 
 
 def overrides(config, sets: list[str]):
-    """--set ppo.step_kl=0.01 optim.lr=2e-5 ...: each dotted field of `config` set to the Python literal (or the
+    """--set ppo.step_kl_per_nat=0.1 optim.lr=2e-5 ...: each dotted field of `config` set to the Python literal (or the
     string) after '='."""
     for item in sets:
         key, _, text = item.partition("=")
@@ -209,7 +209,7 @@ def main():
     ap.add_argument("--steps", type=int, default=None, help="PPO steps of the task runs (default: ppo_tiny's)")
     ap.add_argument("--actor-lr", type=float, default=None, help="with --tasks: the actor's lr (default: ppo_tiny's)")
     ap.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
-                    help="config overrides of every PPO run, e.g. ppo.step_kl=0.03 (and its workdir's name)")
+                    help="config overrides of every PPO run, e.g. ppo.step_kl_per_nat=None (and its workdir's name)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--workdir", default="runs/ppo_curves")
     ap.add_argument("--out", default="docs/ppo_curves.png", help="with --tasks: docs/ppo_<task>.png")

