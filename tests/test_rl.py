@@ -631,23 +631,26 @@ def test_config_validation_misc():
 
 def test_step_kl_per_nat_scales_the_actor_lr_by_the_root_of_the_kl_to_budget_ratio_within_bounds():
     """ppo.step_kl_per_nat's rule, by hand: after a step the actor's lr multiplier is multiplied by sqrt(budget / the
-    largest KL measured in it), budget = step_kl_per_nat x pi_old's entropy, bounded to [1/4, 3/2] per step and to
-    at most 1; a step with no measurement (one update, or the critic's warm-up) or step_kl_per_nat=None leaves it."""
+    largest KL measured in it), budget = step_kl_per_nat x min(pi_old's entropy, the entropy at the first measured
+    step), bounded to [1/4, 3/2] per step and to at most 1; a step with no measurement (one update, or the critic's
+    warm-up) or step_kl_per_nat=None leaves it."""
     from types import SimpleNamespace
 
     from glmjax.rl.ppo import Learner
 
-    learner = SimpleNamespace(p=SimpleNamespace(step_kl_per_nat=0.05), lr_scale=1.0)
+    learner = SimpleNamespace(p=SimpleNamespace(step_kl_per_nat=0.05), lr_scale=1.0, entropy_start=None)
     seen = []
     for kl, ent in (([0.04], 0.2), ([0.02, 0.16], 0.2), ([0.0025], 0.2), ([0.0], 0.2), ([], 0.2), ([0.01], 0.2),
-                    ([0.00000001], 0.2), ([0.5], 0.2), ([0.04], 3.2)):
+                    ([0.00000001], 0.2), ([0.5], 0.2), ([0.04], 3.2), ([0.0025], 0.05)):
         Learner.adapt_lr(learner, kl, ent)
         seen.append(learner.lr_scale)
     # budget 0.05 x 0.2 = 0.01. 0.04: sqrt(1/4) = 0.5; max 0.16: sqrt(1/16) = 0.25; 0.0025: x2 -> bounded to x1.5;
     # 0.0: x1.5; none: kept; on budget: kept; tiny KL: x1.5 but never above 1; 0.5: sqrt(1/50) -> bounded to x0.25;
-    # entropy 3.2 makes the budget 0.16: 0.04 is a quarter of it, x2 -> x1.5
-    assert seen == pytest.approx([0.5, 0.125, 0.1875, 0.28125, 0.28125, 0.28125, 0.421875, 0.10546875, 0.158203125])
-    for _ in range(6):  # 0.158 x 1.5^6 = 1.8
+    # entropy 3.2 (blown up) keeps the first step's 0.2: 0.04 -> x0.5; entropy 0.05 (sharper): budget 0.0025, kept
+    assert seen == pytest.approx([0.5, 0.125, 0.1875, 0.28125, 0.28125, 0.28125, 0.421875, 0.10546875, 0.052734375,
+                                  0.052734375])
+    assert learner.entropy_start == 0.2
+    for _ in range(8):  # 0.053 x 1.5^8 = 1.35
         Learner.adapt_lr(learner, [0.0], 0.2)
     assert learner.lr_scale == 1.0
     learner.p.step_kl_per_nat = None

@@ -156,6 +156,7 @@ class Learner:
                                                  p.icepop_high), p.entropy_coef, p.kl_coef, p.value_clip)
         self.rng = np.random.default_rng(p.seed + 2)
         self.lr_scale = 1.0  # the multiplier of the actor's learning rate that ppo.step_kl_per_nat steers
+        self.entropy_start = None  # pi_old's token entropy at the first actor step (caps step_kl_per_nat's budget)
 
     def policy_state(self):
         """The actor's complete model state (what the Decoder runs)."""
@@ -211,15 +212,18 @@ class Learner:
     def adapt_lr(self, kl_seen: list[float], entropy: float | None):
         """ppo.step_kl_per_nat: the actor's lr multiplier for the next steps from the KL(pi_old || pi) this step caused
         (the largest of those measured before each mini-batch after the first update, the one that stopped the step
-        included), against a budget of step_kl_per_nat x pi_old's mean token entropy on the step's first mini-batch:
-        the same update moves a sharp policy (an SFT checkpoint) further, relative to how much it is unsure of, than a
-        diffuse one. A small step's KL grows with the square of its size, so sqrt(budget / KL) is the factor that
-        would have met the budget; it is bounded to [1/4, 3/2] per step (one noisy step moves the lr by little) and
-        the multiplier never exceeds 1."""
+        included), against a budget of step_kl_per_nat x pi_old's mean token entropy on the step's first mini-batch,
+        or x the entropy at the first actor step where that is lower: the same update moves a sharp policy (an SFT
+        checkpoint) further, relative to how much it is unsure of, than a diffuse one; and a policy whose entropy
+        blows up must not earn a larger budget by it. A small step's KL grows with the square of its size, so
+        sqrt(budget / KL) is the factor that would have met the budget; it is bounded to [1/4, 3/2] per step (one
+        noisy step moves the lr by little) and the multiplier never exceeds 1."""
         p = self.p
         if p.step_kl_per_nat is None or not kl_seen or entropy is None:
             return
-        budget = p.step_kl_per_nat * max(entropy, 1e-6)
+        if self.entropy_start is None:
+            self.entropy_start = entropy
+        budget = p.step_kl_per_nat * max(min(entropy, self.entropy_start), 1e-6)
         factor = math.sqrt(budget / max(max(kl_seen), 1e-12))
         self.lr_scale = min(1.0, self.lr_scale * min(max(factor, 0.25), 1.5))
 
