@@ -106,6 +106,8 @@ def overrides(config, sets: list[str]):
         node = config
         for part in path:
             node = node[part]
+        if leaf not in node:
+            raise SystemExit(f"--set {item}: the config has no field {key}")
         node[leaf] = value
     return config
 

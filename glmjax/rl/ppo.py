@@ -209,7 +209,7 @@ class Learner:
         m["train_tokens"] = float(np.sum(data["segment_ids"] > 0)) * p.ppo_epochs
         return m
 
-    def adapt_lr(self, kl_seen: list[float], entropy: float | None):
+    def adapt_lr(self, kl_seen: list[float], entropy: float):
         """ppo.step_kl_per_nat: the actor's lr multiplier for the next steps from the KL(pi_old || pi) this step caused
         (the largest of those measured before each mini-batch after the first update, the one that stopped the step
         included), against a budget of step_kl_per_nat x pi_old's mean token entropy on the step's first mini-batch,
@@ -219,7 +219,7 @@ class Learner:
         sqrt(budget / KL) is the factor that would have met the budget; it is bounded to [1/4, 3/2] per step (one
         noisy step moves the lr by little) and the multiplier never exceeds 1."""
         p = self.p
-        if p.step_kl_per_nat is None or not kl_seen or entropy is None:
+        if p.step_kl_per_nat is None or not kl_seen:  # kl_seen is measured after the first mini-batch's entropy
             return
         if self.entropy_start is None:
             self.entropy_start = entropy
