@@ -656,3 +656,29 @@ def test_step_kl_per_nat_scales_the_actor_lr_by_the_root_of_the_kl_to_budget_rat
     learner.p.step_kl_per_nat = None
     Learner.adapt_lr(learner, [1.0], 0.2)
     assert learner.lr_scale == 1.0
+
+
+def test_step_kl_per_nat_meets_its_budget_at_the_next_steps_scheduled_lr():
+    """During the lr warm-up a step's KL comes from a smaller lr than the next step's: the factor is multiplied by
+    this step's mean scheduled lr over the next step's, by hand on a 10-update linear warm-up (lr/peak = count / 10)
+    with 4 updates per PPO step."""
+    from types import SimpleNamespace
+
+    from glmjax.optim import make_schedule
+    from glmjax.rl.ppo import Learner
+
+    learner = SimpleNamespace(p=SimpleNamespace(step_kl_per_nat=0.05, ppo_epochs=2, minibatches=2), lr_scale=1.0,
+                              entropy_start=None, actor_count=0, schedule=make_schedule(1.0, 10, 600, "cosine", 0.1))
+    # step 1 applied updates 0-3 (0, .1, .2, .3: mean .15), step 2 will apply 4-7 (mean .55); stopped after 2
+    # updates (0, .1: mean .05), step 2 will apply 2-5 (mean .35)
+    assert Learner.schedule_ratio(learner, 4) == pytest.approx(0.15 / 0.55)
+    assert Learner.schedule_ratio(learner, 2) == pytest.approx(0.05 / 0.35)
+    assert Learner.schedule_ratio(learner, 0) == 1.0
+    learner.actor_count = 40  # past the warm-up: the cosine decays by under 1% over one step
+    assert Learner.schedule_ratio(learner, 4) == pytest.approx(1.0, abs=0.01) and Learner.schedule_ratio(learner, 4) > 1
+    # on budget (0.05 x 0.2) at a quarter-size step: the next full-size step would cause 1/ratio^2 the budget
+    Learner.adapt_lr(learner, [0.01], 0.2, 0.15 / 0.55)
+    assert learner.lr_scale == pytest.approx(0.15 / 0.55)
+    # far under budget during the warm-up: x sqrt(100) x 0.27 = 2.7, bounded to x1.5
+    Learner.adapt_lr(learner, [0.0001], 0.2, 0.15 / 0.55)
+    assert learner.lr_scale == pytest.approx(1.5 * 0.15 / 0.55)

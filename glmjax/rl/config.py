@@ -78,10 +78,11 @@ def default_ppo_config(**overrides) -> ml_collections.ConfigDict:
     # mini-batch, measured before its update, exceeds this (None = never; the critic keeps training)
     c.target_kl = ml_collections.FieldReference(0.05, field_type=float)
     # the actor's step size follows the KL it causes: after each PPO step a multiplier of the actor's learning rate
-    # is scaled by sqrt(budget / the step's measured KL(pi_old || pi)) (a small step's KL grows with its square), by
-    # 1/4 to 3/2 per step and never above 1 (the configured lr is the ceiling); budget = step_kl_per_nat x pi_old's
-    # mean token entropy, capped at the first actor step's. One update at a fixed lr moves a sharp (SFT) policy far
-    # more, for what it is unsure of, than a diffuse one: docs/ppo.md "From an SFT checkpoint". None = a fixed lr.
+    # is scaled by sqrt(budget / the step's measured KL(pi_old || pi)) (a small step's KL grows with its square) x
+    # this step's scheduled lr / the next step's (the warm-up must not hide a full step's size), by 1/4 to 3/2 per
+    # step and never above 1 (the configured lr is the ceiling); budget = step_kl_per_nat x pi_old's mean token
+    # entropy, capped at the first actor step's. One update at a fixed lr moves a sharp (SFT) policy far more, for
+    # what it is unsure of, than a diffuse one: docs/ppo.md "From an SFT checkpoint". None = a fixed lr.
     c.step_kl_per_nat = ml_collections.FieldReference(0.05, field_type=float)
     c.freeze_indexer = True  # DSA indexer frozen during RL (GLM-5)
     c.logprob_chunk = 512  # sequence chunk of the log-prob / entropy computation (never [B, S, V] at once)

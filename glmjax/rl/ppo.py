@@ -39,7 +39,7 @@ from glmjax.data.chat import ChatTemplate
 from glmjax.data.tokenizer import make_tokenizer
 from glmjax.infer import Decoder
 from glmjax.model import GLM
-from glmjax.optim import build_optimizer, validate_optim_config
+from glmjax.optim import build_optimizer, make_schedule, validate_optim_config
 from glmjax.rl.advantages import explained_variance, gae, grpo, masked_whiten
 from glmjax.rl.config import validate_ppo_config
 from glmjax.rl.chat_env import ChatToolEnv
@@ -157,6 +157,9 @@ class Learner:
         self.rng = np.random.default_rng(p.seed + 2)
         self.lr_scale = 1.0  # the multiplier of the actor's learning rate that ppo.step_kl_per_nat steers
         self.entropy_start = None  # pi_old's token entropy at the first actor step (caps step_kl_per_nat's budget)
+        o = validate_optim_config(actor_opt)  # the actor's schedule relative to its peak, per optimizer update
+        self.schedule = make_schedule(1.0, o["warmup_steps"], o["total_steps"], o["schedule"], o["end_lr_ratio"])
+        self.actor_count = 0  # actor updates applied so far (the optimizer's step count)
 
     def policy_state(self):
         """The actor's complete model state (what the Decoder runs)."""
@@ -205,18 +208,31 @@ class Learner:
                     m.update({k: float(v) for k, v in sums.items()}, critic_grad_norm=float(gnorm))
         if train_actor:
             m.update(actor_updates=actor_updates, kl_stopped=kl_stopped, actor_lr_scale=self.lr_scale)
-            self.adapt_lr(kl_seen, entropy_old)
+            self.adapt_lr(kl_seen, entropy_old, self.schedule_ratio(actor_updates))
+            self.actor_count += actor_updates
         m["train_tokens"] = float(np.sum(data["segment_ids"] > 0)) * p.ppo_epochs
         return m
 
-    def adapt_lr(self, kl_seen: list[float], entropy: float):
+    def schedule_ratio(self, applied: int) -> float:
+        """The mean scheduled lr of the `applied` updates this step made over that of the next step's updates (before
+        actor_count counts them): during the warm-up the next step's lr is several times this one's."""
+        n = self.p.ppo_epochs * self.p.minibatches
+        if not applied:
+            return 1.0
+        now = np.mean([float(self.schedule(self.actor_count + i)) for i in range(applied)])
+        nxt = np.mean([float(self.schedule(self.actor_count + applied + i)) for i in range(n)])
+        return float(now / nxt) if now > 0 and nxt > 0 else 1.0
+
+    def adapt_lr(self, kl_seen: list[float], entropy: float, schedule_ratio: float = 1.0):
         """ppo.step_kl_per_nat: the actor's lr multiplier for the next steps from the KL(pi_old || pi) this step caused
         (the largest of those measured before each mini-batch after the first update, the one that stopped the step
         included), against a budget of step_kl_per_nat x pi_old's mean token entropy on the step's first mini-batch,
         or x the entropy at the first actor step where that is lower: the same update moves a sharp policy (an SFT
         checkpoint) further, relative to how much it is unsure of, than a diffuse one; and a policy whose entropy
         blows up must not earn a larger budget by it. A small step's KL grows with the square of its size, so
-        sqrt(budget / KL) is the factor that would have met the budget; it is bounded to [1/4, 3/2] per step (one
+        sqrt(budget / KL) is the factor that would have met the budget, and x schedule_ratio (this step's scheduled
+        lr over the next one's) the factor that meets it at the next step's scheduled lr: the schedule's warm-up
+        must not hide how far a full-size step moves the policy. The factor is bounded to [1/4, 3/2] per step (one
         noisy step moves the lr by little) and the multiplier never exceeds 1."""
         p = self.p
         if p.step_kl_per_nat is None or not kl_seen:  # kl_seen is measured after the first mini-batch's entropy
@@ -224,7 +240,7 @@ class Learner:
         if self.entropy_start is None:
             self.entropy_start = entropy
         budget = p.step_kl_per_nat * max(min(entropy, self.entropy_start), 1e-6)
-        factor = math.sqrt(budget / max(max(kl_seen), 1e-12))
+        factor = math.sqrt(budget / max(max(kl_seen), 1e-12)) * schedule_ratio
         self.lr_scale = min(1.0, self.lr_scale * min(max(factor, 0.25), 1.5))
 
     def advantages(self, data: dict, fwd: dict) -> dict:
