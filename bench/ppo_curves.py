@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # rl_tasks
 
 from glmjax.rl import train_ppo  # noqa: E402
+from rl_tasks import TASKS  # noqa: E402
 
 PANELS = (("reward_mean", "training reward (mean)"), ("eval", "held-out accuracy"), ("value_loss", "value loss"),
           ("entropy", "policy entropy (nats)"), ("kl_init", "KL(pi || starting policy)"))
@@ -116,7 +117,8 @@ def task_runs(task: str, root: str, seeds, steps: int | None, actor_lr: float | 
               ) -> dict[str, dict[int, list[dict]]]:
     """The user's path on one task of bench/rl_tasks.py: its files, `train.py` stage sft (once), then PPO (gae) and
     GRPO from that checkpoint for every seed (the actor's lr: configs/ppo_tiny.py's, or `actor_lr`) -> {method:
-    {seed: metrics rows}}. Finished workdirs are reused and interrupted ones resume (rerun the same command)."""
+    {seed: metrics rows}}. The SFT stage resumes or is reused as train.py's stages are; a PPO workdir whose metrics
+    reach the configured steps is reused, any other is run from the start (PPO does not resume yet)."""
     from glmjax.launch import run
     from rl_tasks import ppo_config, sft_config, write_task
 
@@ -132,9 +134,16 @@ def task_runs(task: str, root: str, seeds, steps: int | None, actor_lr: float | 
             c = overrides(ppo_config(task, paths, sft, method, seed, steps), sets)
             if actor_lr:
                 c.optim.lr = actor_lr
-            run(c, wd)
+            if not finished(wd, c.ppo.steps):
+                run(c, wd)
             out[method][seed] = read(wd)
     return out
+
+
+def finished(workdir: str, steps: int) -> bool:
+    """Whether a PPO run in `workdir` logged its last step."""
+    path = os.path.join(workdir, "metrics.jsonl")
+    return os.path.exists(path) and any(r.get("step") == steps and "reward_mean" in r for r in read(workdir))
 
 
 TASK_PANELS = (("reward_mean", "training reward (mean, 5-step average)"), ("eval_accuracy", "held-out greedy"),
@@ -206,7 +215,7 @@ TASK_HEADER = ("| task | method | seed | held-out greedy | held-out sampled | tr
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="configs/ppo_tiny.py")
-    ap.add_argument("--tasks", nargs="+", default=None, choices=("arith", "rle", "tool"),
+    ap.add_argument("--tasks", nargs="+", default=None, choices=tuple(TASKS),
                     help="instead of --config: the bench/rl_tasks.py tasks, SFT by train.py then PPO and GRPO")
     ap.add_argument("--steps", type=int, default=None, help="PPO steps of the task runs (default: ppo_tiny's)")
     ap.add_argument("--actor-lr", type=float, default=None, help="with --tasks: the actor's lr (default: ppo_tiny's)")

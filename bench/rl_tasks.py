@@ -55,6 +55,11 @@ def rle_problem(rng: random.Random) -> tuple[str, str]:
     return "rle:" + "".join(c + (str(n) if n > 1 else "") for c, n in runs) + "=", "".join(c * n for c, n in runs)
 
 
+def sort_problem(rng: random.Random) -> tuple[str, str]:
+    letters = "".join(rng.choice("abcdef") for _ in range(rng.randint(2, 6)))
+    return f"sort:{letters}=", "".join(sorted(letters))
+
+
 def tool_problem(rng: random.Random) -> tuple[str, str]:
     a, b, c = rng.randint(11, 39), rng.randint(11, 39), rng.randint(0, 99)
     return f"{a}*{b}+{c}=", str(a * b + c)
@@ -95,6 +100,8 @@ TASKS = {
     # twice in 150 steps (RL cannot memorise them), and 600 held out
     "arith": TaskSpec(sum_problem, sft_steps=900, max_prompt_len=7, max_response_len=5, n_prompts=2000),
     "rle": TaskSpec(rle_problem, sft_steps=200, max_prompt_len=12, max_response_len=14),
+    # sort: held-out greedy 0.39 after 100 SFT steps, 0.96 after 200 (one machine): 100 leaves RL room
+    "sort": TaskSpec(sort_problem, sft_steps=100, max_prompt_len=13, max_response_len=8),
     "tool": TaskSpec(tool_problem, sft_steps=200, max_prompt_len=10, max_response_len=24, env="tool"),
 }
 

@@ -581,6 +581,40 @@ def test_target_kl_stops_the_actor_updates_of_a_step(small_model):
     assert equal(stopped.cparams, free.cparams)  # the critic took all four updates, as without the stop
 
 
+@pytest.mark.slow
+def test_truncated_rows_are_terminal_by_default_and_bootstrap_on_request(small_model):
+    """ppo.truncation through the Learner: with gamma = lam_critic = 1 the critic's return at every policy token of
+    a terminal row is the row's score (closed form); "bootstrap" adds V at the cut to the truncated rows only."""
+    from glmjax.optim.config import default_optim_config
+    from glmjax.rl.ppo import Learner
+
+    task = Arithmetic(0, 9, "+")
+    rng = np.random.default_rng(0)
+    envs = [SingleTurnEnv(task.sample(rng), exact_reward) for _ in range(8)]
+    samples = Sampler(Decoder(small_model, "sparse"), 8, 6, 4).rollout(nnx.state(small_model), envs,
+                                                                        [i // 4 for i in range(8)], 0, jax.random.key(1))
+    for i, s in enumerate(samples):
+        s.reward, s.status = float(i % 3 == 0), ("truncated" if i % 2 else "ok")
+    optim = {**default_optim_config(name="adamw", lr=1e-3, warmup_steps=0, weight_decay=0.0).to_dict(),
+             "total_steps": 10}
+    returns = {}
+    for mode in ("terminal", "bootstrap"):
+        learner = Learner(small_model, default_ppo_config(truncation=mode, lam_critic=1.0, whiten_advantages=False),
+                          optim, optim, 258)
+        backbone, head = learner.cparams  # the head starts at 0 (V = 0): give it weights so that V at the cut is not
+        head = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(2), x.shape, x.dtype), head)
+        learner.cparams = (backbone, head)
+        data = pack_samples(samples, 8, 10, 258)
+        learner.advantages(data, {k: data[k] for k in ("tokens", "segment_ids", "positions")})
+        returns[mode], mask = data["returns"], data["mask"] > 0
+    score = np.array([s.reward for s in samples], np.float32)
+    cut = np.array([s.status == "truncated" for s in samples])
+    np.testing.assert_allclose(returns["terminal"], np.where(mask, score[:, None], 0), atol=1e-6)
+    np.testing.assert_allclose(returns["bootstrap"][~cut], returns["terminal"][~cut], atol=1e-6)
+    shift = (returns["bootstrap"] - returns["terminal"])[cut]
+    assert (np.abs(shift[mask[cut]]) > 1e-4).all()  # V at the cut, the same at every token of the row (gamma 1)
+
+
 # ------------------------------------------------------------------------------------------------ config
 
 def ppo_config(**ppo):
@@ -595,6 +629,7 @@ def ppo_config(**ppo):
     ("clip_low", 1.5, r"ppo.clip_low=1.5: must be <= 1"),
     ("dual_clip", 0.9, r"ppo.dual_clip=0.9: must be > 1"),
     ("step_kl_per_nat", 0.0, r"ppo.step_kl_per_nat=0.0: must be > 0"),
+    ("truncation", "drop", r"ppo.truncation='drop': must be one of \['terminal', 'bootstrap'\]"),
     ("group_size", 0, r"ppo.group_size=0: must be an integer >= 1"),
     ("micro_batches", 3, r"ppo.prompts_per_step=16: x group_size = 64 rows per step must be divisible"),
     ("max_response_len", 300, r"ppo.max_response_len=300: max_prompt_len \+ max_response_len"),

@@ -55,6 +55,11 @@ def default_ppo_config(**overrides) -> ml_collections.ConfigDict:
     c.lam_actor = 0.95
     c.lam_critic = 1.0
     c.whiten_advantages = True  # global masked whitening (GAE)
+    # a row cut at max_response_len (GAE): "terminal" -- the episode ended there and the environment scored it (an
+    # unfinished answer scores 0); "bootstrap" -- it would have gone on, V at the cut stands for the rest. Bootstrap
+    # only where the cut is not the end (the reward is not final): where it is, a truncated row's return is V,
+    # above a wrong answer's 0, and PPO learns not to finish (docs/ppo.md "From an SFT checkpoint")
+    c.truncation = "terminal"
     c.grpo_std = True  # GRPO: divide by the group std (False = Dr.GRPO)
     # ----- losses
     c.policy_loss = "ppo_clip"  # ppo_clip | async_two_sided | icepop
@@ -147,6 +152,7 @@ def validate_ppo_config(config) -> ModelConfig:
     choice("env", ENVS)
     choice("mode", MODES)
     choice("advantage", ADVANTAGES)
+    choice("truncation", ("terminal", "bootstrap"))
     choice("policy_loss", POLICY_LOSSES)
     choice("loss_agg", AGGREGATIONS)
     choice("sft_script", ("direct", "calc"))

@@ -254,7 +254,8 @@ class Learner:
         after = forward(self.fns.values, (self.cparams[0], self.crest, self.cparams[1]), fwd, p.micro_batches,
                         self.placement)
         values, adv, returns = (np.asarray(x) for x in _gae_both(
-            data["rewards"], after, mask, data["last"], data["truncated"], p.gamma, p.lam_actor, p.lam_critic))
+            data["rewards"], after, mask, data["last"], data["truncated"] * (p.truncation == "bootstrap"), p.gamma,
+            p.lam_actor, p.lam_critic))
         n = max(mask.sum(), 1)
         m = {"explained_variance": float(explained_variance(values, returns, mask)),
              "value_mean": float(np.sum(values * mask) / n), "return_mean": float(np.sum(returns * mask) / n),
