@@ -216,9 +216,9 @@ class Learner:
     def schedule_ratio(self, applied: int) -> float:
         """The mean scheduled lr of the `applied` updates this step made over that of the next step's updates (before
         actor_count counts them): during the warm-up the next step's lr is several times this one's."""
-        n = self.p.ppo_epochs * self.p.minibatches
         if not applied:
             return 1.0
+        n = self.p.ppo_epochs * self.p.minibatches
         now = np.mean([float(self.schedule(self.actor_count + i)) for i in range(applied)])
         nxt = np.mean([float(self.schedule(self.actor_count + applied + i)) for i in range(n)])
         return float(now / nxt) if now > 0 and nxt > 0 else 1.0
