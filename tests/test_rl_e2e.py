@@ -211,7 +211,7 @@ def test_ppo_from_a_train_py_sft_checkpoint_improves_it(tmp_path):
     from that workdir with configs/ppo_tiny.py's settings, `ppo.task = "prompts"`, the reward by import path, GRPO,
     100 steps. At the fixed actor lr (`ppo.step_kl_per_nat=None`, the default before it) RL made the SFT policy
     worse: held-out greedy 0.375 -> 0.214, sampled 0.263 -> 0.225, training reward 0.30 -> 0.32 (2026-12-06). Under
-    the default it improves it: 0.375 -> 0.571, 0.263 -> 0.422, 0.33 -> 0.49."""
+    the default it improves it: 0.375 -> 0.491, 0.263 -> 0.368, 0.33 -> 0.43 (2026-12-07, at 46c53aa)."""
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     from rl_tasks import write_task
 
@@ -233,13 +233,14 @@ def test_ppo_from_a_train_py_sft_checkpoint_improves_it(tmp_path):
     train(f"--config={tmp_path / 'ppo_rle.py'}", f"--workdir={tmp_path / 'ppo'}")
     records = metrics(tmp_path / "ppo")
     (start, end), rows = [r for r in records if "eval_accuracy" in r], [r for r in records if "reward_mean" in r]
-    print(start, end)
+    reward = np.mean([r["reward_mean"] for r in rows[:10]]), np.mean([r["reward_mean"] for r in rows[-20:]])
+    print(start, end, reward)
     assert start["eval_accuracy"] >= 0.25  # the SFT policy solves part of the task: room, and something to keep
-    # margins between the default's gains (+0.20 greedy, +0.16 sampled, +0.15 reward) and the fixed lr's (-0.16,
+    # margins between the default's gains (+0.12 greedy, +0.10 sampled, +0.11 reward) and the fixed lr's (-0.16,
     # -0.04, +0.01)
     assert end["eval_accuracy"] >= start["eval_accuracy"] + 0.05
-    assert end["eval_sampled_accuracy"] >= start["eval_sampled_accuracy"] + 0.08
-    assert np.mean([r["reward_mean"] for r in rows[-20:]]) >= np.mean([r["reward_mean"] for r in rows[:10]]) + 0.07
+    assert end["eval_sampled_accuracy"] >= start["eval_sampled_accuracy"] + 0.05
+    assert reward[1] >= reward[0] + 0.07
 
 
 @pytest.mark.slow
