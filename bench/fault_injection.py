@@ -2,6 +2,7 @@
 uninterrupted run.
 
     python bench/fault_injection.py [--kills 10] [--seed 0] [--steps 30] [--checkpoint-every 3] [--dir DIR]
+    python bench/fault_injection.py --stage ppo [--kills 10] [--steps 12] [--checkpoint-every 2]
 
 One uninterrupted run of configs/tiny.py (tiny: seq 32, batch 2, `--steps` steps, a checkpoint every
 `--checkpoint-every` steps, keeping 2) is the reference; `--reference DIR` reuses a finished one. Then, until
@@ -11,7 +12,8 @@ delay drawn uniformly over the reference's training time (so kills land mid-trai
 during start-up; a launch that finishes first is simply done), and the same command is started again until it
 exits by itself. Every workdir must then end with exit status 0, summary.json, and every loss record in
 metrics.jsonl (the re-logged steps after each resume included) bitwise equal to the reference's loss of that step,
-for all steps.
+for all steps. `--stage ppo` does the same with a small PPO run (PPO_FLAGS: synchronous rollouts), comparing every
+value of each step record but the timings (losses, rewards, KL, lr multiplier, ...).
 
 Prints one row per kill (kill #, delay, the last step that launch logged before the kill or "setup", the step the
 next launch resumed from: "0 (fresh)" without a checkpoint, "complete" if the kill came after summary.json, "-"
@@ -38,11 +40,26 @@ sys.path.insert(0, ROOT)
 from glmjax.train.loop import loss_records  # noqa: E402
 
 
-def flags(steps: int, every: int) -> list[str]:
+def flags(stage: str, steps: int, every: int) -> list[str]:
+    if stage == "ppo":
+        return PPO_FLAGS + [f"--config.ppo.steps={steps}", f"--config.ppo.checkpoint_every={every}",
+                            "--config.ppo.keep_checkpoints=2"]
     return ["--config=configs/tiny.py", f"--config.train.steps={steps}", "--config.train.seq_len=32",
             "--config.train.batch_size=2", "--config.train.log_every=1", "--config.train.eval_batches=0",
             f"--config.train.checkpoint_every={every}", "--config.train.keep_checkpoints=2",
             "--config.optim.warmup_steps=2", "--config.data.max_docs=50"]
+
+
+# configs/ppo_tiny.py made small, with synchronous rollouts (with asynchronous ones a resumed run's next batch comes
+# from the restored weights, not the previous version's: not bitwise); 2 epochs x 2 mini-batches exercise the
+# mini-batch RNG, a critic warm-up step both learners' states; the supervised warm-up is long enough that rewards
+# (and so advantages and gradients) are not all 0
+PPO_FLAGS = ["--config=configs/ppo_tiny.py", "--config.ppo.sft_steps=30", "--config.ppo.sft_batch_size=32",
+             "--config.ppo.prompts_per_step=4",
+             "--config.ppo.group_size=2", "--config.ppo.eval_every=0", "--config.ppo.eval_problems=8",
+             "--config.ppo.eval_samples=1", "--config.ppo.async_rollout=False", "--config.ppo.critic_warmup_steps=1",
+             "--config.ppo.log_every=1", "--config.optim.warmup_steps=4"]
+TIMING = ("wait_s", "train_s", "step_s", "wait_share", "wall_s", "rollout_tokens_per_s")  # PPO records: not compared
 
 
 def launch(workdir: str, args) -> subprocess.Popen:
@@ -50,14 +67,28 @@ def launch(workdir: str, args) -> subprocess.Popen:
     log = open(os.path.join(os.path.dirname(workdir), os.path.basename(workdir) + ".log"), "a")
     log.write(f"\n=== launch {time.strftime('%H:%M:%S')}\n")
     log.flush()
-    return subprocess.Popen([sys.executable, "train.py", *flags(args.steps, args.checkpoint_every),
+    return subprocess.Popen([sys.executable, "train.py", *flags(args.stage, args.steps, args.checkpoint_every),
                              f"--workdir={workdir}", f"--compilation_cache={args.cache}"],
                             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
-def records(workdir: str) -> tuple[list[tuple[int, float]], int]:
-    """(step, loss) of every loss record of the workdir's metrics.jsonl, and the number of unreadable lines."""
-    return loss_records(os.path.join(workdir, "metrics.jsonl"))
+def records(workdir: str) -> tuple[list[tuple[int, float | str]], int]:
+    """(step, loss) of every loss record of the workdir's metrics.jsonl, and the number of unreadable lines; for a
+    PPO workdir (step, every value of a step record but the timings, as sorted JSON: floats exact, NaN equal)."""
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.exists(os.path.join(workdir, "config.json")) or '"ppo"' not in open(
+            os.path.join(workdir, "config.json")).read():
+        return loss_records(path)
+    out, bad = [], 0
+    for line in open(path) if os.path.exists(path) else ():
+        try:
+            r = json.loads(line)
+        except ValueError:
+            bad += 1
+            continue
+        if "reward_mean" in r:
+            out.append((r["step"], json.dumps({k: v for k, v in r.items() if k not in TIMING}, sort_keys=True)))
+    return out, bad
 
 
 def last_log(workdir: str) -> str:
@@ -72,7 +103,7 @@ def resumed_from(workdir: str) -> int | str:
     m = re.search(r"resumed from \S*/checkpoints/(\d+)", log)
     if m:
         return int(m.group(1))
-    return "complete" if "already complete" in log else (0 if "pretrain:" in log else "-")
+    return "complete" if "already complete" in log else (0 if re.search(r"^(pretrain|ppo): ", log, re.M) else "-")
 
 
 def compare(workdir: str, ref: dict[int, float]) -> str | None:
@@ -82,7 +113,7 @@ def compare(workdir: str, ref: dict[int, float]) -> str | None:
         return f"{bad} unreadable line(s) in metrics.jsonl"
     for step, loss in recs:
         if step not in ref or loss != ref[step]:  # floats compared exactly
-            return f"step {step}: loss {loss!r}, reference {ref.get(step)!r}"
+            return f"step {step}: {loss!r}, reference {ref.get(step)!r}"
     missing = sorted(set(ref) - {s for s, _ in recs})
     if missing:
         return f"steps {missing[:5]} missing"
@@ -117,6 +148,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--checkpoint-every", type=int, default=3)
+    ap.add_argument("--stage", default="pretrain", choices=("pretrain", "ppo"),
+                    help="pretrain: configs/tiny.py; ppo: configs/ppo_tiny.py made small, synchronous rollouts "
+                    "(PPO_FLAGS); every value of its step records but the timings is compared")
     ap.add_argument("--max-kills-per-workdir", type=int, default=3)
     ap.add_argument("--dir", default=None, help="where the workdirs go (default: a new temporary directory)")
     ap.add_argument("--reference", default=None, help="a finished reference workdir of the same command to reuse")
@@ -143,6 +177,8 @@ def main(argv=None) -> int:
         return 1
     summary = json.load(open(os.path.join(ref_dir, "summary.json")))
     train_s = summary["wall_s"] - summary["setup_s"]  # from the first training step to the end
+    if args.stage == "ppo":  # PPO's first step (its compilation) is not in setup_s: kills come after it
+        train_s -= summary["first_step_s"]
     print(f"reference: {ref_dir}, {args.steps} steps, training {train_s:.1f} s; each kill comes a delay drawn "
           f"over (0, {train_s:.1f}) s after the launch logs its first step, seed {args.seed}")
 
@@ -192,7 +228,8 @@ def main(argv=None) -> int:
         print(f"{r['kill']:>4}  {'run' + str(r['workdir']):>7}  {r['delay']:>7.2f}  {r['step']:>12}  "
               f"{resumed:>12}  {'yes' if r['identical'] else 'NO'}")
     ok = not failures
-    print(f"{len(rows)} kills in {w} workdirs: " + ("all losses bitwise identical to the reference" if ok else
+    what = "losses" if args.stage == "pretrain" else "losses and rewards"
+    print(f"{len(rows)} kills in {w} workdirs: " + (f"all {what} bitwise identical to the reference" if ok else
                                                    "MISMATCH\n" + "\n".join(failures)))
     return 0 if ok else 1
 

@@ -46,13 +46,30 @@ def reference(tmp_path_factory):
     """test_reliability.py's 10-step reference run (checkpoints 2-10, all kept), launched once per test run and
     shared by the xdist workers (the first to ask builds it under a file lock; the others wait and reuse it) and by
     test_resume.py. Tests copy it before they write."""
+    from test_reliability import launch
+
+    return shared_run(tmp_path_factory, "reference_run", launch)
+
+
+@pytest.fixture(scope="session")
+def ppo_reference(tmp_path_factory):
+    """test_ppo_resume.py's uninterrupted PPO run (train.py, bench/fault_injection.py's PPO_FLAGS), shared as
+    `reference` is."""
+    from test_ppo_resume import launch
+
+    return shared_run(tmp_path_factory, "ppo_reference_run", launch)
+
+
+def shared_run(tmp_path_factory, name: str, launch) -> str:
+    """The workdir of a run to the end of `launch(workdir)` (a Popen of train.py), built once per test run by the
+    first xdist worker to ask (under a file lock; the others wait and reuse it)."""
     from filelock import FileLock
 
-    from test_reliability import finish, launch
+    from test_reliability import finish
 
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     root = tmp_path_factory.getbasetemp().parent if worker else tmp_path_factory.getbasetemp()
-    workdir = os.path.join(root, "reference_run")
+    workdir = os.path.join(root, name)
     with FileLock(workdir + ".lock"):
         if not os.path.exists(workdir):  # built aside and renamed when whole: a failed build leaves no half run
             partial = workdir + ".partial"

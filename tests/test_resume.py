@@ -69,13 +69,14 @@ def one_line_error(rc, out, code, *names):
 def test_changed_config_stops_and_moves_nothing(interrupted):
     """Three changed fields of three sections (optimizer, model shape, batch) in one launch: the refusal names every
     one of them (the check diffs all fingerprinted fields, so each is detected on its own)."""
-    before = snapshot(interrupted)
+    before, config = snapshot(interrupted), open(os.path.join(interrupted, "config.json")).read()
     rc, out = train(interrupted, "--config.optim.name=muon", "--config.model.intermediate_size=128",
                     "--config.train.batch_size=4")
     one_line_error(rc, out, 2, "3 field(s)", "optim.name", "model.intermediate_size", "train.batch_size",
                    "on_config_change=fresh", "new --workdir")
     assert "data:" not in out and "attention" not in out, out  # refused before the data and the model are built
     assert snapshot(interrupted) == before
+    assert open(os.path.join(interrupted, "config.json")).read() == config
     assert not os.path.exists(os.path.join(interrupted, "corrupt_checkpoints"))
 
 

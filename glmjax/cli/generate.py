@@ -3,8 +3,8 @@
   glmjax-generate --checkpoint runs/x/sft --prompt "Hello"                       # a stage workdir, byte tokenizer
   glmjax-generate --checkpoint ckpt/ --tokenizer hf:path/to/GLM-5 --chat --prompt "Hi" --temperature 0.7 --top-p 0.9
 
---checkpoint is a stage workdir (its newest intact checkpoint), a directory written by `glmjax-hf import`, or a
-Hugging Face checkpoint (config.json + safetensors). The prompt is encoded with BOS and without EOS; with --chat it is
+--checkpoint is a stage or PPO workdir (its newest intact checkpoint; a PPO run's holds its policy), a directory
+written by `glmjax-hf import` (or a PPO run's policy/), or a Hugging Face checkpoint (config.json + safetensors). The prompt is encoded with BOS and without EOS; with --chat it is
 one user message rendered by the tokenizer's chat template with add_generation_prompt=True (no BOS added: the
 template writes its own). Generation stops at the tokenizer's EOS or after --max-new-tokens; the decoded answer is
 printed. Temperature 0 is greedy. Errors end in one line on stderr and exit status 2.
@@ -28,7 +28,8 @@ from glmjax.model import GLM
 
 
 def load_model(path: str) -> GLM:
-    """A stage workdir, a directory from `glmjax-hf import` or a Hugging Face checkpoint -> the model it holds."""
+    """A stage or PPO workdir, a directory from `glmjax-hf import` or a Hugging Face checkpoint -> the model it
+    holds."""
     if os.path.isdir(os.path.join(path, "checkpoints")):
         from glmjax.train.checkpoint import load_model_state
 

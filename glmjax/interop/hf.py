@@ -561,7 +561,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("hf_dir")
     p.add_argument("out_dir")
     p = sub.add_parser("export", help="glmjax checkpoint (from `import` or training) -> HF checkpoint")
-    p.add_argument("ckpt_dir", help="holds model_config.json, state/ (orbax) and optionally hf_layout.json")
+    p.add_argument("ckpt_dir", help="holds model_config.json, state/ (orbax) and optionally hf_layout.json; or a "
+                   "finished PPO workdir (its policy/)")
     p.add_argument("hf_dir")
     p.add_argument("--model-type", default="glm_moe_dsa", choices=keymap.MODEL_TYPES,
                    help="without hf_layout.json")
@@ -598,11 +599,32 @@ def main(argv: list[str] | None = None) -> int:
         print(f"imported {args.hf_dir} -> {args.out_dir}")
         return 0
 
-    model, layout = load_checkpoint(args.ckpt_dir)
+    try:
+        src = export_source(args.ckpt_dir)
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    model, layout = load_checkpoint(src)
     files = save_hf(model, args.hf_dir, layout, model_type=args.model_type, dtype=args.dtype,
                     max_shard_size=args.max_shard_size, overwrite=args.overwrite)
     print(f"exported {args.ckpt_dir} -> {args.hf_dir}: {', '.join(files)}")
     return 0
+
+
+def export_source(path: str) -> str:
+    """The glmjax checkpoint directory `export` reads for `path`: path itself (written by `import`, or a PPO run's
+    policy/), or a PPO workdir's final policy (path/policy)."""
+    if os.path.exists(os.path.join(path, "model_config.json")):
+        return path
+    if os.path.exists(os.path.join(path, "policy", "model_config.json")):
+        return os.path.join(path, "policy")
+    if os.path.isdir(os.path.join(path, "checkpoints")):
+        raise FileNotFoundError(
+            f"{path}: a training workdir without a final policy/ (an LM stage, or a PPO run that has not finished: "
+            "rerun its command to complete it); export reads a directory written by `glmjax-hf import` or a "
+            f"finished PPO run (glmjax-generate --checkpoint {path} reads its newest checkpoint)")
+    raise FileNotFoundError(f"{path}: no model_config.json: export reads a directory written by `glmjax-hf import` "
+                            "or a PPO workdir (its policy/)")
 
 
 def load_checkpoint(ckpt_dir: str) -> tuple[GLM, HFLayout | None]:

@@ -18,6 +18,7 @@ from glmjax.rl.prompts import TASKS
 
 ADVANTAGES = ("gae", "grpo")
 MODES = ("dense", "sparse")
+PPO_ON_CONFIG_CHANGE = ("error", "fresh")  # the stages' "weights": start PPO from the old run with ppo.init_checkpoint
 
 
 def default_ppo_config(**overrides) -> ml_collections.ConfigDict:
@@ -102,6 +103,13 @@ def default_ppo_config(**overrides) -> ml_collections.ConfigDict:
     c.eval_samples = 4  # sampled episodes per held-out problem (at `temperature`) for eval_sampled_accuracy
     c.log_every = 1
     c.save_policy = True  # write the final policy to workdir/policy (model_config.json + state/, as glmjax-hf import)
+    # ----- checkpoints (the stages' machinery, glmjax/train/checkpoint.py): the same command resumes a killed run
+    c.checkpoint_every = 10  # PPO steps between (asynchronous) checkpoints; one is always written at the end
+    c.keep_checkpoints = 3
+    c.async_checkpoints = True
+    # resuming a workdir whose checkpoints were written with another config: "error" (stop, list the fields) or
+    # "fresh" (move the old run to workdir/archive/<time>/, start at step 0); glmjax/train/resume.py
+    c.on_config_change = "error"
     c.update(overrides)
     return c
 
@@ -144,9 +152,10 @@ def validate_ppo_config(config) -> ModelConfig:
 
     for f in ("steps", "prompts_per_step", "group_size", "max_prompt_len", "max_response_len", "rollout_ahead",
               "ppo_epochs", "minibatches", "micro_batches", "data_parallel", "eval_problems", "eval_samples",
-              "log_every", "sft_batch_size", "logprob_chunk"):
+              "log_every", "sft_batch_size", "logprob_chunk", "keep_checkpoints"):
         integer(f, 1)
-    for f in ("seed", "max_staleness", "critic_warmup_steps", "sft_steps", "eval_every", "max_tool_calls"):
+    for f in ("seed", "max_staleness", "critic_warmup_steps", "sft_steps", "eval_every", "max_tool_calls",
+              "checkpoint_every"):
         integer(f, 0)
     choice("task", tuple(TASKS))
     choice("env", ENVS)
@@ -156,7 +165,9 @@ def validate_ppo_config(config) -> ModelConfig:
     choice("policy_loss", POLICY_LOSSES)
     choice("loss_agg", AGGREGATIONS)
     choice("sft_script", ("direct", "calc"))
-    for f in ("async_rollout", "whiten_advantages", "grpo_std", "interceptor", "freeze_indexer", "save_policy"):
+    choice("on_config_change", PPO_ON_CONFIG_CHANGE)
+    for f in ("async_rollout", "whiten_advantages", "grpo_std", "interceptor", "freeze_indexer", "save_policy",
+              "async_checkpoints"):
         boolean(f)
     if not p.freeze_indexer:
         fail("freeze_indexer", "must be True: PPO's losses never reach the indexer (top-k is not differentiable) "

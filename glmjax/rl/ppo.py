@@ -53,7 +53,10 @@ from glmjax.rl.text import ChatText
 from glmjax.rl.trainer import (ACTOR_TRAINABLE, CRITIC_TRAINABLE, Placement, PPOFunctions, accumulate, before,
                                critic_optimizer, forward, full_state, init_value_head, make_apply)
 from glmjax.rl.warmup import supervised_warmup
-from glmjax.train.hooks import EvalHook, MetricsLog, due
+from glmjax.train.checkpoint import CheckpointError, Checkpoints, newest_meta
+from glmjax.train.hooks import CheckpointHook, EvalHook, MetricsLog, due, stop_signals
+from glmjax.train.loop import prepare_workdir
+from glmjax.train.resume import ConfigMismatch, archive_run, check_resume, fingerprint
 
 LoadParams = Callable[[str, nnx.State], nnx.State]
 
@@ -165,6 +168,32 @@ class Learner:
         """The actor's complete model state (what the Decoder runs)."""
         return full_state(self.graphdef, self.params, self.rest)
 
+    def checkpoint_state(self) -> tuple[dict, dict, dict]:
+        """-> (model, trainer, host), what a checkpoint holds of the learner: the policy's complete state as a pure
+        dict (a stage checkpoint's "model": init_from, glmjax-generate read a PPO workdir as a stage's); the other
+        arrays (the actor's optimizer state, the reference policy, the critic's parameters, frozen part and
+        optimizer state); and its host state (JSON: the mini-batch RNG, the step-size multiplier and what steers it,
+        the actor's update count)."""
+        trainer = {"actor_opt": self.actor_state, "reference": self.ref_params}
+        if self.use_critic:
+            trainer["critic"] = {"params": self.cparams, "rest": self.crest, "opt": self.critic_state}
+        host = {"rng": self.rng.bit_generator.state, "lr_scale": self.lr_scale, "entropy_start": self.entropy_start,
+                "actor_count": self.actor_count}
+        return self.policy_state().to_pure_dict(), trainer, host
+
+    def load_checkpoint_state(self, model: dict, trainer: dict, host: dict):
+        """The inverse of `checkpoint_state` (arrays restored in the shardings of this learner's own)."""
+        state = self.policy_state()
+        nnx.replace_by_pure_dict(state, model)
+        _, self.params, self.rest = nnx.split(nnx.merge(self.graphdef, state), ACTOR_TRAINABLE, ...)
+        self.actor_state, self.ref_params = trainer["actor_opt"], trainer["reference"]
+        if self.use_critic:
+            c = trainer["critic"]
+            self.cparams, self.crest, self.critic_state = c["params"], c["rest"], c["opt"]
+        self.rng.bit_generator.state = host["rng"]
+        self.lr_scale, self.entropy_start, self.actor_count = host["lr_scale"], host["entropy_start"], \
+            host["actor_count"]
+
     def update(self, samples, version: int, rows: int, seq_len: int, train_actor: bool) -> dict:
         p, fns, place = self.p, self.fns, self.placement
         data = pack_samples(samples, rows, seq_len, self.pad_id)
@@ -272,9 +301,11 @@ class PPORun:
     the initial policy (`initial_policy`), the learner, the samplers, the held-out problems. `produce` makes one
     rollout batch, `evaluate` measures the policy, `step` is one PPO step."""
 
-    def __init__(self, config, workdir: str, load_params: LoadParams | None, progress: bool):
+    def __init__(self, config, workdir: str, load_params: LoadParams | None, progress: bool, fresh: bool = True):
+        """fresh=False: a checkpoint will replace the weights (`restore`): the initial policy is not loaded or
+        warmed up."""
         self.cfg, p = validate_ppo_config(config), config.ppo
-        self.p, self.task = p, build_task(p)
+        self.config, self.p, self.task = config, p, build_task(p)
         self.text = build_text(p, self.cfg.vocab_size)
         if isinstance(self.task, PromptsTask):
             self.task.check_prompts(self.text, p.tokenizer, p.max_prompt_len)
@@ -296,10 +327,10 @@ class PPORun:
         validate_optim_config(critic_opt)
         self.B, self.L = p.prompts_per_step * p.group_size, p.max_prompt_len + p.max_response_len
         os.makedirs(workdir, exist_ok=True)
-        with open(os.path.join(workdir, "config.json"), "w") as f:
-            f.write(config.to_json(indent=2))
         self.summary: dict = {}
-        model = self.initial_policy(load_params, optim, progress)
+        self.totals = dict.fromkeys(["wait_s", "step_s", "rollout_tokens", "rollout_s", "train_tokens", "train_s"],
+                                    0.0)  # of the timed steps (not a launch's first: it compiles), for the summary
+        model = self.initial_policy(load_params, optim, progress) if fresh else GLM(self.cfg, nnx.Rngs(p.seed))
         self.learner = Learner(model, p, actor_opt, critic_opt, self.text.pad_id)
         print(f"ppo: {p.task} ({p.env}), {self.B} rollouts/step ({p.prompts_per_step} prompts x {p.group_size}), "
               f"{p.steps} steps, {p.advantage} + {p.policy_loss}, {'async' if p.async_rollout else 'sync'} rollouts")
@@ -314,6 +345,7 @@ class PPORun:
         self.eval_problems = self.task.eval_set(p.eval_problems)
         self.greedy = Sampler(decoder, self.B, p.max_prompt_len, p.max_response_len, 0.0, 1.0, self.text.pad_id)
         self.version = 0
+        self.rng_after = self.rollout_rng()  # the rollout streams after the last batch trained on (checkpointed)
 
     def initial_policy(self, load_params: LoadParams | None, optim: dict, progress: bool) -> GLM:
         """A checkpoint through the loader, or a supervised warm-up, or the random init."""
@@ -343,7 +375,40 @@ class PPORun:
         groups = [g for g in range(p.prompts_per_step) for _ in range(p.group_size)]
         self.gen_key, sub = jax.random.split(self.gen_key)
         samples = self.sampler.rollout(state, envs, groups, version, sub)
-        return RolloutBatch(samples, version, time.perf_counter() - t, sum(len(s.response) for s in samples))
+        return RolloutBatch(samples, version, time.perf_counter() - t, sum(len(s.response) for s in samples),
+                            self.rollout_rng())
+
+    def rollout_rng(self) -> dict:
+        """The rollout's random streams (problems and environments; the sampling key) as JSON."""
+        return {"problems": self.gen_rng.bit_generator.state,
+                "key": np.asarray(jax.random.key_data(self.gen_key)).tolist()}
+
+    def save(self, ckpt: Checkpoints, step: int):
+        """Checkpoint `step` (asynchronously): the learner's state, the weight version, the rollout streams after the
+        last batch trained on, the summary so far."""
+        model, trainer, host = self.learner.checkpoint_state()
+        data = {"learner": host, "version": self.version, "rollout_rng": self.rng_after, "totals": self.totals,
+                "summary": json.loads(json.dumps(self.summary, default=float))}
+        meta = {"step": step, "stage": "ppo", "model": self.cfg.to_json_dict(), "fingerprint": fingerprint(self.config)}
+        ckpt.save(step, model, trainer, data, meta)
+
+    def restore(self, ckpt: Checkpoints) -> int:
+        """Resume from the newest intact checkpoint (damaged newer ones are set aside, a changed config refused:
+        glmjax/train/checkpoint.py, resume.py) -> its step."""
+        model, trainer, _ = self.learner.checkpoint_state()
+        now = fingerprint(self.config)
+        restored = ckpt.restore_latest(model, trainer, lambda meta, step: check_resume(meta, step, now,
+                                                                                       ckpt.directory))
+        if restored is None:
+            raise CheckpointError(f"{ckpt.directory}: the checkpoint seen at start is gone; nothing was resumed")
+        step, model, trainer, data, _ = restored
+        self.learner.load_checkpoint_state(model, trainer, data["learner"])
+        self.version, self.rng_after, self.totals = data["version"], data["rollout_rng"], data["totals"]
+        self.gen_rng.bit_generator.state = self.rng_after["problems"]
+        self.gen_key = jax.random.wrap_key_data(jnp.asarray(self.rng_after["key"], jnp.uint32))
+        self.summary.update(data["summary"])
+        print(f"resumed from {ckpt.step_dir(step)} (stage ppo, weight version {self.version})")
+        return step
 
     def evaluate(self) -> dict:
         """Held-out problems: greedy accuracy (reward 1) and mean reward, and the solve rate of `eval_samples` sampled
@@ -373,6 +438,7 @@ class PPORun:
         p, version = self.p, self.version
         ts = time.perf_counter()
         batch = worker.get() if worker else self.produce(self.sampler_state(), version)
+        self.rng_after = batch.rng_after
         wait = time.perf_counter() - ts
         m = {"step": step, "version": version, **rollout_metrics(batch, version)}
         for b, s in enumerate(batch.samples):
@@ -396,34 +462,54 @@ class PPORun:
 
 
 def train_ppo(config, workdir: str, progress: bool = True, load_params: LoadParams | None = None) -> dict:
-    """Run the PPO stage; writes workdir/{config.json, metrics.jsonl, interceptions.jsonl} and, with
-    ppo.save_policy, the final policy to workdir/policy. -> summary dict."""
+    """Run (or resume) the PPO stage in workdir -> summary dict. Writes workdir/{config.json, metrics.jsonl,
+    interceptions.jsonl (both appended across restarts), checkpoints/, summary.json (when the run completes)} and,
+    with ppo.save_policy, the final policy to workdir/policy.
+
+    Like an LM stage (glmjax/train/loop.py): the same call on a workdir with checkpoints resumes from the newest intact
+    one (with synchronous rollouts, bitwise as if never interrupted); SIGTERM / SIGINT finish the step, checkpoint and
+    return (summary["interrupted"]); a changed config is refused (ppo.on_config_change); a finished run is not rerun.
+    """
     t0 = time.perf_counter()
-    run = PPORun(config, workdir, load_params, progress)
-    p, summary = run.p, run.summary
-    worker = None
-    if p.async_rollout:
-        worker = RolloutWorker(run.produce, p.rollout_ahead)
-        worker.set_weights(run.sampler_state(), run.version)
-        worker.start()
+    validate_ppo_config(config)
+    p = config.ppo
+    resuming = settle_checkpoints(config, workdir)  # before config.json is written: a refusal leaves it as it was
+    finished = prepare_workdir(workdir, config, p.on_config_change)
+    if finished is not None:
+        return finished
+    run = PPORun(config, workdir, load_params, progress, fresh=not resuming)
+    ckpt = Checkpoints(workdir, p.keep_checkpoints, p.async_checkpoints)
+    try:
+        start_step = run.restore(ckpt) if resuming else 0
+    except BaseException:
+        ckpt.close()
+        raise
+    summary, worker = run.summary, None
     start = time.perf_counter()
-    summary.update({"setup_s": start - t0, "steps": p.steps})
-    totals = dict.fromkeys(["wait_s", "step_s", "rollout_tokens", "rollout_s", "train_tokens", "train_s"], 0.0)
-    with MetricsLog(os.path.join(workdir, "metrics.jsonl"), "w", total=p.steps, disable=not progress,
-                    desc="ppo") as log, open(os.path.join(workdir, "interceptions.jsonl"), "w") as icpt:
-        e = run.evaluate()
-        log.write({"step": 0, **e})
-        summary.update({k + "_start": v for k, v in e.items()})
-        log.message(f"step 0: eval accuracy {e['eval_accuracy']:.3f} (sampled {e['eval_sampled_accuracy']:.3f})")
-        evals = EvalHook(run.evaluate, p.eval_every, p.steps, log, summary, eval_line)
+    summary.update({"setup_s": start - t0, "steps": p.steps, "start_step": start_step})
+    with stop_signals() as stop, MetricsLog(os.path.join(workdir, "metrics.jsonl"), "a", total=p.steps,
+                                            initial=start_step, disable=not progress, desc="ppo") as log, \
+            open(os.path.join(workdir, "interceptions.jsonl"), "a") as icpt:
         try:
-            for step in range(1, p.steps + 1):
+            if p.async_rollout:
+                worker = RolloutWorker(run.produce, p.rollout_ahead)
+                worker.set_weights(run.sampler_state(), run.version)
+                worker.start()
+            if start_step == 0:
+                e = run.evaluate()
+                log.write({"step": 0, **e})
+                summary.update({k + "_start": v for k, v in e.items()})
+                log.message(f"step 0: eval accuracy {e['eval_accuracy']:.3f} "
+                            f"(sampled {e['eval_sampled_accuracy']:.3f})")
+            evals = EvalHook(run.evaluate, p.eval_every, p.steps, log, summary, eval_line)
+            checkpoints = CheckpointHook(lambda step: run.save(ckpt, step), p.checkpoint_every, p.steps, stop, log)
+            for step in range(start_step + 1, p.steps + 1):
                 m, batch = run.step(step, worker, icpt, start)
-                if step > 1:  # the first step compiles everything: reported, not averaged
+                if step > start_step + 1:  # a launch's first step compiles everything: reported, not averaged
                     for k, v in (("wait_s", m["wait_s"]), ("step_s", m["step_s"]), ("train_s", m["train_s"]),
                                  ("rollout_tokens", batch.tokens), ("rollout_s", batch.generate_s),
                                  ("train_tokens", m.get("train_tokens", 0.0))):
-                        totals[k] += v
+                        run.totals[k] += v
                 else:
                     summary["first_step_s"] = m["step_s"]
                 if due(step, p.log_every, p.steps):
@@ -432,18 +518,44 @@ def train_ppo(config, workdir: str, progress: bool = True, load_params: LoadPara
                 log.bar.update(1)
                 log.bar.set_postfix(reward=f"{m['reward_mean']:.2f}", wait=f"{m['wait_share']:.2f}")
                 summary["last"] = m
+                signame = checkpoints(step)
+                if signame:
+                    summary["interrupted"] = signame
+                    break
         finally:
             if worker:
                 worker.stop()
-    if p.save_policy:
+            ckpt.close()
+    if not summary.get("interrupted") and p.save_policy:
         save_policy(run.learner.policy_state(), run.cfg, os.path.join(workdir, "policy"))
-    summary.update(wait_share=totals["wait_s"] / max(totals["step_s"], 1e-9),
-                   step_s=totals["step_s"] / max(p.steps - 1, 1),
+    totals, timed = run.totals, max(p.steps - 1, 1)
+    summary.update(wait_share=totals["wait_s"] / max(totals["step_s"], 1e-9), step_s=totals["step_s"] / timed,
                    rollout_tokens_per_s=totals["rollout_tokens"] / max(totals["rollout_s"], 1e-9),
                    trainer_tokens_per_s=totals["train_tokens"] / max(totals["train_s"], 1e-9),
                    final_version=run.version, wall_s=time.perf_counter() - t0)
+    if not summary.get("interrupted"):
+        with open(os.path.join(workdir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2, default=float)
     print("done: " + ", ".join(f"{k} {v:.4g}" for k, v in summary.items() if isinstance(v, float)))
     return summary
+
+
+def settle_checkpoints(config, workdir: str) -> bool:
+    """Before anything is built: whether workdir holds a checkpoint to resume. One written with another config is
+    refused (ConfigMismatch, nothing touched) or, with ppo.on_config_change="fresh", moved with the old run's other
+    outputs to workdir/archive/<time>/."""
+    found = newest_meta(workdir)
+    if found is None:
+        return False
+    try:
+        check_resume(found[1], found[0], fingerprint(config), os.path.join(os.path.abspath(workdir), "checkpoints"))
+    except ConfigMismatch as e:
+        if config.ppo.on_config_change == "error":
+            raise
+        print(f"ppo.on_config_change='fresh': {e}\n-> the old run was moved to {archive_run(workdir)}; starting at "
+              "step 0")
+        return False
+    return True
 
 
 def save_policy(state, cfg, path: str):

@@ -167,6 +167,9 @@ class RolloutBatch:
     version: int  # weight version used for the whole batch
     generate_s: float  # wall time spent generating it
     tokens: int  # response tokens generated (policy + environment)
+    # the producer's random streams once the batch was drawn (JSON): what a checkpoint after training on this batch
+    # stores, so a resumed run draws the problems and samples of the next batch as an uninterrupted one would
+    rng_after: dict | None = None
 
 
 class RolloutWorker:

@@ -122,9 +122,11 @@ def refuse_changed_config(config, workdir: str):
         check_resume(meta, step, fingerprint(config), os.path.join(os.path.abspath(workdir), "checkpoints"))
 
 
-def prepare_workdir(workdir: str, config) -> dict | None:
+def prepare_workdir(workdir: str, config, on_config_change: str | None = None) -> dict | None:
     """Create workdir and check it is writable -> the finished stage's summary if summary.json exists (and the
-    config matches the one it finished with), else None (config.json written)."""
+    config matches the one it finished with), else None (config.json written). on_config_change: the config's rule
+    (default train.on_config_change; the PPO stage passes ppo.on_config_change)."""
+    on_config_change = on_config_change or config.train.on_config_change
     try:
         os.makedirs(workdir, exist_ok=True)
         done = os.path.join(workdir, "summary.json")
@@ -132,12 +134,14 @@ def prepare_workdir(workdir: str, config) -> dict | None:
             saved = os.path.join(workdir, "config.json")
             diff = config_diff(fingerprint(json.load(open(saved))), fingerprint(config)) \
                 if os.path.exists(saved) else []
-            if not diff or config.train.on_config_change == "error":
+            if not diff or on_config_change == "error":
                 if diff:
+                    how = ("--config.ppo.on_config_change=fresh" if "ppo" in config else
+                           "--config.train.on_config_change=fresh or =weights")
                     raise ConfigMismatch(f"workdir {workdir}: the stage finished with a different config "
-                                         f"({'; '.join(diff)}). Use a new --workdir, or add "
-                                         "--config.train.on_config_change=fresh or =weights to start over here")
-                print(f"stage {config.stage}: already complete ({done})")
+                                         f"({'; '.join(diff)}). Use a new --workdir, or add {how} to start over "
+                                         "here")
+                print(f"stage {config.get('stage', 'ppo')}: already complete ({done})")
                 with open(done) as f:
                     return json.load(f)
         with open(os.path.join(workdir, "config.json"), "w") as f:
@@ -199,10 +203,10 @@ def train(config, workdir: str, progress: bool = True) -> dict:
     """Run (or resume) one stage in workdir -> summary dict."""
     t0 = time.perf_counter()
     cfg, data_cfg, stage = check_config(config)
+    refuse_changed_config(config, workdir)  # before config.json is written: a refused run leaves the workdir as it was
     finished = prepare_workdir(workdir, config)
     if finished is not None:
         return finished
-    refuse_changed_config(config, workdir)
     run = setup(config, workdir, cfg, data_cfg, stage)
     try:
         restore(run)

@@ -9,7 +9,8 @@ otherwise:
   "fresh"    move checkpoints/, metrics.jsonl and summary.json to workdir/archive/<time>/ and start at step 0;
   "weights"  the same, then initialise the model from the archived run's newest checkpoint (parameter surgery,
              as init_from); optimizer, data iterator and step start fresh.
-Both act only when the checkpoints do not match, so rerunning the same command later resumes normally.
+Both act only when the checkpoints do not match, so rerunning the same command later resumes normally. The PPO stage
+(glmjax/rl/resume.py) follows the same rules with ppo.on_config_change ("error" or "fresh").
 """
 from __future__ import annotations
 
@@ -26,8 +27,11 @@ FREE = {"train.steps", "train.log_every", "train.eval_every", "train.eval_batche
         "train.keep_checkpoints", "train.async_checkpoints", "train.tensorboard", "train.nan_policy",
         "train.inject_nan_at_step", "train.on_config_change", "data.prefetch", "init_from", "recipe",
         "model.attention_impl", "model.dense_attention_impl", "model.moe_impl", "model.moe_dispatch", "model.remat",
-        "model.block_q", "model.loss_chunk", "model.context_layout", "optim.total_steps"}
-RUN_FILES = ("checkpoints", "metrics.jsonl", "summary.json")
+        "model.block_q", "model.loss_chunk", "model.context_layout", "optim.total_steps",
+        # the PPO stage's (glmjax/rl/config.py) equivalents
+        "ppo.steps", "ppo.log_every", "ppo.eval_every", "ppo.eval_problems", "ppo.eval_samples", "ppo.save_policy",
+        "ppo.checkpoint_every", "ppo.keep_checkpoints", "ppo.async_checkpoints", "ppo.on_config_change"}
+RUN_FILES = ("checkpoints", "metrics.jsonl", "summary.json", "interceptions.jsonl", "policy")
 
 
 class ConfigMismatch(ConfigError):
@@ -74,9 +78,11 @@ def check_resume(meta: dict, step: int, now: dict, directory: str) -> None:
         raise ConfigMismatch(
             f"workdir {os.path.dirname(directory)}: checkpoint step {step} was written with a different config "
             f"({len(diff)} field(s): {'; '.join(diff)}). Nothing was changed. To continue that run, rerun without "
-            "these changes; to start over, use a new --workdir, or add --config.train.on_config_change=fresh "
-            "(archive the old run's checkpoints and metrics, start at step 0) or =weights (the same, but start "
-            "from the old run's model weights)")
+            "these changes; to start over, use a new --workdir, or add "
+            + ("--config.ppo.on_config_change=fresh (archive the old run's checkpoints and metrics, start at step 0)"
+               if any(k.startswith("ppo.") for k in now) else
+               "--config.train.on_config_change=fresh (archive the old run's checkpoints and metrics, start at step "
+               "0) or =weights (the same, but start from the old run's model weights)"))
 
 
 def archive_run(workdir: str) -> str:
