@@ -15,7 +15,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from bench.fault_injection import PPO_FLAGS, records  # noqa: E402
-from xla_flags import xla_flags  # noqa: E402
+from test_reliability import fault_injection, flip, launch as train_launch  # noqa: E402
 
 STEPS, EVERY = 4, 1  # a checkpoint after every step: kills land between checkpoints of a run that is training
 FLAGS = PPO_FLAGS + [f"--config.ppo.steps={STEPS}", f"--config.ppo.checkpoint_every={EVERY}",
@@ -23,11 +23,8 @@ FLAGS = PPO_FLAGS + [f"--config.ppo.steps={STEPS}", f"--config.ppo.checkpoint_ev
 
 
 def launch(workdir, *extra):
-    cache = os.environ.get("GLMJAX_TEST_CACHE", os.path.join("/tmp", "glmjax_jax_cache"))
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags())
-    return subprocess.Popen([sys.executable, "train.py", *FLAGS, *extra, f"--workdir={workdir}",
-                             f"--compilation_cache={cache}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    """train.py on this module's PPO run (stdout and stderr apart: the refusals' one line is stderr's)."""
+    return train_launch(workdir, *extra, flags=FLAGS, stderr=subprocess.PIPE)
 
 
 def finish(p, timeout=300) -> tuple[int, str, str]:
@@ -85,15 +82,8 @@ def test_fault_injection_kill9_resume_bitwise(ppo_reference, tmp_path):
     """Two kill -9 at seeded random moments of one workdir (mid-step, mid-checkpoint-write or mid-eval), the same
     command resumed to the end: every step record (losses, rewards, KL, advantages, lr multiplier...) bitwise the
     uninterrupted run's. The documented run with more kills is in docs/benchmarks.md."""
-    p = subprocess.run([sys.executable, "bench/fault_injection.py", "--stage", "ppo", "--kills", "2", "--seed", "3",
-                        "--max-kills-per-workdir", "2", f"--steps={STEPS}", f"--checkpoint-every={EVERY}",
-                        f"--reference={ppo_reference}", f"--xla-flags={xla_flags()}", f"--dir={tmp_path}"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=880)
-    out = p.stdout + p.stderr
-    assert p.returncode == 0, out[-4000:]
-    assert "2 kills in" in out and "all losses and rewards bitwise identical" in out, out[-4000:]
-    rows = [line.split() for line in p.stdout.splitlines() if line.strip()[:1].isdigit() and "run" in line]
-    assert len(rows) == 2 and all(r[-1] == "yes" for r in rows), out[-4000:]
+    fault_injection(ppo_reference, tmp_path, 2, "all losses and rewards bitwise identical", "--stage", "ppo",
+                    "--seed", "3", "--max-kills-per-workdir", "2", f"--steps={STEPS}", f"--checkpoint-every={EVERY}")
 
 
 @pytest.mark.slow
@@ -116,6 +106,21 @@ def test_sigterm_checkpoints_exits_0_and_resumes_bitwise(ppo_reference, tmp_path
     assert open(os.path.join(workdir, "metrics.jsonl")).readlines()[:len(first_lines)] == first_lines  # appended
     assert step_records(workdir) == step_records(ppo_reference)
     assert json.load(open(os.path.join(workdir, "summary.json")))["start_step"] == last
+
+
+@pytest.mark.slow
+def test_a_damaged_newest_checkpoint_is_set_aside_and_the_run_resumes_bitwise(ppo_reference, tmp_path):
+    """The stages' damage handling serves PPO: step 3's largest file of the opt_state item (optimizer states, critic,
+    reference) with flipped bytes fails its checksum, the step is moved to corrupt_checkpoints/, and the run resumes
+    from step 2 to the reference's records."""
+    workdir = interrupted(ppo_reference, str(tmp_path / "run"), last=3)
+    item = os.path.join(workdir, "checkpoints", "3", "opt_state")
+    flip(max((os.path.join(d, f) for d, _, fs in os.walk(item) for f in fs), key=os.path.getsize))
+    rc, out, err = finish(launch(workdir))
+    assert rc == 0, err[-3000:]
+    assert "checkpoints/3 is damaged" in err and f"resumed from {os.path.join(workdir, 'checkpoints', '2')}" in out
+    assert len(os.listdir(os.path.join(workdir, "corrupt_checkpoints"))) == 1
+    assert step_records(workdir) == step_records(ppo_reference)
 
 
 def test_changed_config_is_refused_in_one_line_and_nothing_is_touched(ppo_reference, tmp_path):

@@ -30,12 +30,13 @@ FLAGS = ["--config=configs/tiny.py", "--config.train.steps=10", "--config.train.
          "--config.data.max_docs=50"]
 
 
-def launch(workdir, *extra):
+def launch(workdir, *extra, flags=FLAGS, stderr=subprocess.STDOUT):
+    """train.py with `flags` + `extra` on workdir (stderr into stdout unless told otherwise)."""
     cache = os.environ.get("GLMJAX_TEST_CACHE", os.path.join("/tmp", "glmjax_jax_cache"))
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags())
-    return subprocess.Popen([sys.executable, "train.py", *FLAGS, *extra, f"--workdir={workdir}",
+    return subprocess.Popen([sys.executable, "train.py", *flags, *extra, f"--workdir={workdir}",
                              f"--compilation_cache={cache}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=stderr, text=True)
 
 
 def finish(p, timeout=600):
@@ -101,16 +102,22 @@ def test_fault_injection_kill9_resume_bitwise(reference, tmp_path):
     command at 10 steps with a checkpoint every 2 (keep_checkpoints, the only other difference, changes no loss),
     so the bench reuses it (`--reference`). One kill here (each costs train.py start-ups); the documented run with
     --kills 10 at 30 steps is in docs/benchmarks.md."""
-    p = subprocess.run([sys.executable, "bench/fault_injection.py", "--kills", "1", "--seed", "1",
-                        "--max-kills-per-workdir", "1", f"--steps={STEPS}", "--checkpoint-every=2",
-                        f"--reference={reference}", f"--xla-flags={xla_flags()}", f"--dir={tmp_path}"], cwd=ROOT,
+    fault_injection(reference, tmp_path, 1, "all losses bitwise identical", "--seed", "1", "--max-kills-per-workdir",
+                    "1", f"--steps={STEPS}", "--checkpoint-every=2")
+    assert not os.path.exists(os.path.join(tmp_path, "reference"))  # the module's reference served
+
+
+def fault_injection(reference, directory, kills: int, verdict: str, *args):
+    """bench/fault_injection.py `args` with `kills` kills on the finished run `reference`: exit 0, `verdict` printed
+    and every kill's workdir identical."""
+    p = subprocess.run([sys.executable, "bench/fault_injection.py", "--kills", str(kills), *args,
+                        f"--reference={reference}", f"--xla-flags={xla_flags()}", f"--dir={directory}"], cwd=ROOT,
                        capture_output=True, text=True, timeout=880)
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-4000:]
-    assert "1 kills in" in out and "all losses bitwise identical" in out, out[-4000:]
+    assert f"{kills} kills in" in out and verdict in out, out[-4000:]
     rows = [line.split() for line in p.stdout.splitlines() if line.strip()[:1].isdigit() and "run" in line]
-    assert len(rows) == 1 and all(r[-1] == "yes" for r in rows), out[-4000:]
-    assert not os.path.exists(os.path.join(tmp_path, "reference"))  # the module's reference served
+    assert len(rows) == kills and all(r[-1] == "yes" for r in rows), out[-4000:]
 
 
 def flip(path, n=64):

@@ -12,14 +12,15 @@ One PPO step:
                  token mean (or sequence mean) accumulated over micro_batches x data_parallel devices
   weight sync    version v+1 handed to the rollout worker
 Metrics go to workdir/metrics.jsonl (one line per step, plus eval lines), interceptions to
-workdir/interceptions.jsonl, the final policy to workdir/policy (ppo.save_policy), and a tqdm bar shows reward /
-eval accuracy / wait share. Tasks: the built-in demos, or your prompts JSONL with a reward by import path
+workdir/interceptions.jsonl, checkpoints every ppo.checkpoint_every steps to workdir/checkpoints (the stages'
+machinery; the same call resumes a killed run: `PPORun.save` / `restore` say what they hold), the final policy to
+workdir/policy (ppo.save_policy), and a tqdm bar shows reward / eval accuracy / wait share. Tasks: the built-in demos, or your prompts JSONL with a reward by import path
 (glmjax/rl/prompts.py); text goes through ppo.tokenizer's rule (glmjax/rl/text.py).
 
 `load_params(path, target_state) -> state` plugs in checkpoint loading for ppo.init_checkpoint: it receives the
 model's complete nnx.State (as a shape/structure target) and returns one of the same structure (train.py, through
-glmjax.launch, passes glmjax.train.init_from.checkpoint_loader). The loop's metrics log and eval hook are
-glmjax/train/hooks.py's.
+glmjax.launch, passes glmjax.train.init_from.checkpoint_loader). The loop's metrics log, eval and checkpoint hooks
+and signal handling are glmjax/train/hooks.py's.
 """
 from __future__ import annotations
 
