@@ -118,7 +118,7 @@ def task_runs(task: str, root: str, seeds, steps: int | None, actor_lr: float | 
     """The user's path on one task of bench/rl_tasks.py: its files, `train.py` stage sft (once), then PPO (gae) and
     GRPO from that checkpoint for every seed (the actor's lr: configs/ppo_tiny.py's, or `actor_lr`) -> {method:
     {seed: metrics rows}}. The SFT stage resumes or is reused as train.py's stages are; a PPO workdir whose metrics
-    reach the configured steps is reused, any other is run from the start (PPO does not resume yet)."""
+    reach the configured steps is reused, any other resumes from its newest checkpoint (from the start without one)."""
     from glmjax.launch import run
     from rl_tasks import ppo_config, sft_config, write_task
 

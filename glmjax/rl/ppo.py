@@ -329,8 +329,8 @@ class PPORun:
         self.B, self.L = p.prompts_per_step * p.group_size, p.max_prompt_len + p.max_response_len
         os.makedirs(workdir, exist_ok=True)
         self.summary: dict = {}
-        self.totals = dict.fromkeys(["wait_s", "step_s", "rollout_tokens", "rollout_s", "train_tokens", "train_s"],
-                                    0.0)  # of the timed steps (not a launch's first: it compiles), for the summary
+        self.totals = dict.fromkeys(["wait_s", "step_s", "rollout_tokens", "rollout_s", "train_tokens", "train_s",
+                                     "steps"], 0.0)  # of the timed steps (not a launch's first: it compiles)
         model = self.initial_policy(load_params, optim, progress) if fresh else GLM(self.cfg, nnx.Rngs(p.seed))
         self.learner = Learner(model, p, actor_opt, critic_opt, self.text.pad_id)
         print(f"ppo: {p.task} ({p.env}), {self.B} rollouts/step ({p.prompts_per_step} prompts x {p.group_size}), "
@@ -509,7 +509,7 @@ def train_ppo(config, workdir: str, progress: bool = True, load_params: LoadPara
                 if step > start_step + 1:  # a launch's first step compiles everything: reported, not averaged
                     for k, v in (("wait_s", m["wait_s"]), ("step_s", m["step_s"]), ("train_s", m["train_s"]),
                                  ("rollout_tokens", batch.tokens), ("rollout_s", batch.generate_s),
-                                 ("train_tokens", m.get("train_tokens", 0.0))):
+                                 ("train_tokens", m.get("train_tokens", 0.0)), ("steps", 1)):
                         run.totals[k] += v
                 else:
                     summary["first_step_s"] = m["step_s"]
@@ -529,8 +529,9 @@ def train_ppo(config, workdir: str, progress: bool = True, load_params: LoadPara
             ckpt.close()
     if not summary.get("interrupted") and p.save_policy:
         save_policy(run.learner.policy_state(), run.cfg, os.path.join(workdir, "policy"))
-    totals, timed = run.totals, max(p.steps - 1, 1)
-    summary.update(wait_share=totals["wait_s"] / max(totals["step_s"], 1e-9), step_s=totals["step_s"] / timed,
+    totals = run.totals
+    summary.update(wait_share=totals["wait_s"] / max(totals["step_s"], 1e-9),
+                   step_s=totals["step_s"] / max(totals["steps"], 1),
                    rollout_tokens_per_s=totals["rollout_tokens"] / max(totals["rollout_s"], 1e-9),
                    trainer_tokens_per_s=totals["train_tokens"] / max(totals["train_s"], 1e-9),
                    final_version=run.version, wall_s=time.perf_counter() - t0)
