@@ -207,6 +207,21 @@ def _abstract_model(cfg: ModelConfig):
     return graphdef, dict(nnx.to_flat_state(state))
 
 
+def fresh_init(cfg: ModelConfig, paths) -> dict:
+    """The model initialiser's values (seed 0) of the leaves `paths` only: one jitted initialiser whose other outputs
+    XLA drops, so the rest of the model is never created."""
+    if not paths:
+        return {}
+
+    paths = sorted(paths, key=str)
+
+    def init():
+        flat = dict(nnx.to_flat_state(nnx.state(GLM(cfg, nnx.Rngs(0)))))
+        return [flat[p].get_value() for p in paths]
+
+    return dict(zip(paths, jax.jit(init)()))
+
+
 def _classify(cfg: ModelConfig, tensors: Mapping[str, TensorInfo], specs: Mapping[str, Spec],
               block: tuple[int, int] | None):
     """-> (missing, unexpected, mismatched, ignored (key, reason), scales {weight key: scale key}, copies)."""
@@ -295,8 +310,14 @@ def load_hf(path: str, *, sharding: ShardingSpec = None, latent_norm_eps: float 
     specs = plan_keys(cfg, leaf_shapes, layouts)
     block = keymap.fp8_block(raw)
     missing, unexpected, mismatched, ignored, scales, copies = _classify(cfg, tensors, specs, block)
+    fresh = [k for k in missing if keymap.INDEXER_SUFFIX in k] if raw["model_type"] in keymap.DENSE_MLA else []
+    missing = [k for k in missing if k not in fresh]
     if missing or unexpected or mismatched:
         raise HFCheckpointError(missing, unexpected, mismatched, path)
+    fresh_leaves = {part.leaf for k in fresh for part in specs[k].parts}
+    if fresh:
+        notes.append(f"{len(fresh)} indexer tensors of {len(fresh_leaves)} parameters are fresh (not in this dense "
+                     f"checkpoint: the model's initialiser, seed 0), e.g. {fresh[0]}")
     if ignored:
         reasons = dict.fromkeys(r for _, r in ignored)
         for r in reasons:
@@ -309,10 +330,12 @@ def load_hf(path: str, *, sharding: ShardingSpec = None, latent_norm_eps: float 
     short = [p for p, n in covered.items() if n != math.prod(leaf_shapes[p])]
     assert not short, f"key map does not cover the model exactly: {short}"  # internal consistency
 
-    # allocate every leaf once, in its target sharding
+    # allocate every leaf once, in its target sharding (the fresh ones initialised)
+    init = fresh_init(cfg, fresh_leaves)
     arrays = {}
     for p, v in leaves.items():
-        arrays[p] = jnp.zeros(v.shape, v.dtype, device=_resolve_sharding(sharding, p, v))
+        arrays[p] = jax.device_put(init[p], _resolve_sharding(sharding, p, v)) if p in init else \
+            jnp.zeros(v.shape, v.dtype, device=_resolve_sharding(sharding, p, v))
     lossy = set()
     by_file: dict[str, list[str]] = {}
     for key, info in tensors.items():

@@ -16,19 +16,28 @@ import numpy as np
 
 from glmjax.config import ConfigError, ModelConfig
 
-MODEL_TYPES = ("glm_moe_dsa", "deepseek_v32")
+MODEL_TYPES = ("glm_moe_dsa", "deepseek_v32")  # what export writes (DSA checkpoints)
+# Dense MLA checkpoints import reads too: every layer gets a fresh lightning indexer (trained by dense_warmup); the
+# value is the DSA format of the same family, which export of the result writes.
+DENSE_MLA = {"deepseek_v3": "deepseek_v32"}
+IMPORT_TYPES = MODEL_TYPES + tuple(DENSE_MLA)
 ARCHITECTURES = {"glm_moe_dsa": "GlmMoeDsaForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM"}
 HF_LATENT_NORM_EPS = 1e-6  # HF builds q_a_layernorm / kv_a_layernorm with the RMSNorm default eps (docs/model.md F-4)
 # The RoPE layouts transformers 5.24 computes whatever config.json says: its modeling files hard-code them and never
 # read `rope_interleave` / `indexer_rope_interleave` (docs/model.md F-1). Also the defaults when a flag is absent.
 HF_ROPE_LAYOUT = {"glm_moe_dsa": dict(rope_interleave=True, indexer_rope_interleave=True),
-                  "deepseek_v32": dict(rope_interleave=True, indexer_rope_interleave=False)}
+                  "deepseek_v32": dict(rope_interleave=True, indexer_rope_interleave=False),
+                  "deepseek_v3": dict(rope_interleave=True, indexer_rope_interleave=False)}
+# ... except the flags transformers does read (deepseek_v3's attention honours `rope_interleave`; its fresh indexers
+# take deepseek_v32's layout, which export writes)
+HF_READS = {"deepseek_v3": ("rope_interleave",)}
 log = logging.getLogger("glmjax.interop")
 
 # HF defaults where they differ by model type (configuration_{glm_moe_dsa,deepseek_v32}.py).
 _DEFAULTS = {
     "glm_moe_dsa": dict(n_group=1, topk_group=1, rms_norm_eps=1e-5, index_n_heads=32),
     "deepseek_v32": dict(n_group=8, topk_group=4, rms_norm_eps=1e-6, index_n_heads=64),
+    "deepseek_v3": dict(n_group=8, topk_group=4, rms_norm_eps=1e-6, index_n_heads=64),  # the indexer: DSV3.2's
 }
 _COMMON_DEFAULTS = dict(n_shared_experts=1, norm_topk_prob=True, routed_scaling_factor=2.5, first_k_dense_replace=3,
                         index_topk=2048, index_head_dim=128)
@@ -68,8 +77,8 @@ def map_config(hf: Mapping[str, Any], *, latent_norm_eps: float | None, honour_r
     """`config_from_hf` without logging -> (ModelConfig, notes, one line per RoPE flag of config.json ignored)."""
     errors, notes, ignored = [], [], []
     mt = hf.get("model_type")
-    if mt not in MODEL_TYPES:
-        raise ConfigError(f"config.json model_type={mt!r}: must be one of {list(MODEL_TYPES)}")
+    if mt not in IMPORT_TYPES:
+        raise ConfigError(f"config.json model_type={mt!r}: must be one of {list(IMPORT_TYPES)}")
     defaults = {**_COMMON_DEFAULTS, **_DEFAULTS[mt], **HF_ROPE_LAYOUT[mt]}
     d: dict[str, Any] = {}
     for name in _COPIED:
@@ -82,7 +91,7 @@ def map_config(hf: Mapping[str, Any], *, latent_norm_eps: float | None, honour_r
     for name in ("rope_interleave", "indexer_rope_interleave", "norm_topk_prob"):
         d[name] = bool(d.get(name))
     for name, used in HF_ROPE_LAYOUT[mt].items():
-        if not honour_rope_flags and d[name] != used:
+        if not honour_rope_flags and d[name] != used and name not in HF_READS.get(mt, ()):
             ignored.append(f"config.json {name}={hf[name]!r} ignored, using {used}: transformers 5.24 ignores it "
                            f"({mt} hard-codes this RoPE layout); honour_rope_flags=True uses the file's value")
             d[name] = used
@@ -131,6 +140,8 @@ def map_config(hf: Mapping[str, Any], *, latent_norm_eps: float | None, honour_r
         if hf.get("indexer_types") and "shared" in hf["indexer_types"]:
             notes.append("deepseek_v32: indexer_types in config.json ignored (every DSV3.2 layer has an indexer)")
         types = ["full"] * L
+    elif mt in DENSE_MLA:
+        types = ["full"] * L
     elif hf.get("indexer_types") is not None:
         types = list(hf["indexer_types"])
     elif hf.get("index_topk_pattern") is not None:
@@ -175,7 +186,12 @@ def map_config(hf: Mapping[str, Any], *, latent_norm_eps: float | None, honour_r
     if errors:
         raise ConfigError("config.json: " + "; ".join(errors))
     d.update(dict(overrides or {}))
-    return ModelConfig.from_dict(d), notes, ignored
+    cfg = ModelConfig.from_dict(d)
+    if mt in DENSE_MLA:
+        notes.append(f"{mt}: a dense MLA checkpoint; every layer gets a fresh lightning indexer (index_n_heads="
+                     f"{cfg.index_n_heads}, index_head_dim={cfg.index_head_dim}, index_topk={cfg.index_topk}; the "
+                     "model's initialiser): train them with the dense_warmup stage")
+    return cfg, notes, ignored
 
 
 def _is_fp8_block(q: Mapping) -> bool:

@@ -1,0 +1,106 @@
+"""Importing a dense MLA checkpoint (transformers' `deepseek_v3`: DeepSeek-V3 / V3.1, Kimi-K2, Moonlight) into a DSA
+model (issue 43): in dense mode the import reproduces DeepseekV3ForCausalLM's logits (both RoPE layouts, which
+deepseek_v3 reads from config.json) and decodes as it prefills; every layer's lightning indexer is fresh, the model's
+own initialiser; a deliberately wrong key map fails the check."""
+import numpy as np
+import pytest
+from flax import nnx, traverse_util
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import jax.numpy as jnp  # noqa: E402
+
+from glmjax.infer import Decoder  # noqa: E402
+from glmjax.interop import keymap, load_hf  # noqa: E402
+from glmjax.model import GLM  # noqa: E402
+from test_interop import DS_TINY, S, batch_of, randomize  # noqa: E402
+
+V3_TINY = {k: v for k, v in DS_TINY.items() if not k.startswith("index")}  # no indexer in a deepseek_v3 config
+INDEXER = dict(index_n_heads=32, index_head_dim=32, index_topk=8)  # the fresh indexers' shape (--set on the CLI)
+
+
+def build_v3(path, seed, **kw):
+    cfg = transformers.DeepseekV3Config(**{**V3_TINY, **kw})
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = randomize(transformers.DeepseekV3ForCausalLM(cfg).float().eval(), seed)
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module")
+def v3(tmp_path_factory):
+    """{rope_interleave: (transformers model, its save_pretrained directory)}."""
+    root = tmp_path_factory.mktemp("dense_mla")
+    return {inter: (build_v3(str(root / f"v3_{inter}"), 3 + inter, rope_interleave=inter), str(root / f"v3_{inter}"))
+            for inter in (True, False)}
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return np.random.default_rng(1).integers(0, V3_TINY["vocab_size"], (2, S)).astype(np.int32)
+
+
+def hf_logits(model, tok):
+    with torch.no_grad():
+        return model(torch.tensor(tok, dtype=torch.long)).logits.numpy()
+
+
+def dense_logits(model, tok):
+    h, _ = nnx.jit(lambda m, b: m(b, "dense"))(model, batch_of(tok))
+    return np.asarray(model.logits(h))
+
+
+@pytest.mark.parametrize("inter", [True, False])
+def test_deepseek_v3_import_reproduces_transformers_in_dense_mode(v3, tokens, inter):
+    hf_model, path = v3[inter]
+    model, layout = load_hf(path, overrides=INDEXER)
+    cfg = model.cfg
+    assert layout.model_type == "deepseek_v3" and cfg.rope_interleave == inter  # deepseek_v3 reads the flag
+    assert set(cfg.layer_indexer_types) == {"full"} and not cfg.indexer_rope_interleave and cfg.yarn
+    assert (cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk) == (32, 32, 8)
+    assert any("fresh lightning indexer" in n for n in layout.notes)
+    assert any(n.startswith("30 indexer tensors") and "fresh" in n for n in layout.notes)  # 6 layers x 5
+    err = float(np.max(np.abs(dense_logits(model, tokens) - hf_logits(hf_model, tokens))))
+    assert err < 1e-4, err
+
+
+def test_the_fresh_indexers_are_the_model_initialiser_and_the_rest_the_checkpoint(v3):
+    _, path = v3[True]
+    model, _ = load_hf(path, overrides=INDEXER)
+    ours = traverse_util.flatten_dict(nnx.state(model).to_pure_dict())
+    init = traverse_util.flatten_dict(nnx.state(GLM(model.cfg, nnx.Rngs(0))).to_pure_dict())
+    indexer = [k for k in ours if "indexer" in k]
+    assert len(indexer) == 10  # 5 parameters x 2 stacks (the dense first layer, the MoE layers)
+    for k in indexer:  # the same random bits; jitted and eager sampling round the last float bit differently
+        np.testing.assert_allclose(np.asarray(ours[k]), np.asarray(init[k]), rtol=1e-6, atol=0, err_msg=str(k))
+    for k in (("embed_tokens",), ("lm_head",)):  # the checkpoint's weights elsewhere
+        assert not np.allclose(np.asarray(ours[k]), np.asarray(init[k]))
+
+
+def test_the_import_decodes_as_transformers_prefills(v3, tokens):
+    """Prefill 24 tokens, then 12 teacher-forced decode steps on the MLA latent cache: every step's logits equal
+    transformers' full forward at that position (dense attention)."""
+    hf_model, path = v3[True]
+    model, _ = load_hf(path, overrides=INDEXER)
+    ref = hf_logits(hf_model, tokens)
+    dec = Decoder(model, "dense")
+    P = 24
+    caches = dec.init_cache(2, P + 12)
+    logits, caches = dec.prefill(dec.state, jnp.asarray(tokens[:, :P]), jnp.full((2,), P, jnp.int32), caches)
+    np.testing.assert_allclose(np.asarray(logits), ref[:, P - 1], atol=1e-4)
+    for t in range(P, P + 12):
+        logits, caches = dec.decode(dec.state, jnp.asarray(tokens[:, t]), jnp.full((2,), t, jnp.int32), caches)
+        np.testing.assert_allclose(np.asarray(logits), ref[:, t], atol=1e-4, err_msg=f"position {t}")
+
+
+def test_a_wrong_key_map_fails_the_parity_check(v3, tokens, monkeypatch):
+    """Negative control: the dense MLP's gate_proj and up_proj swapped in the key map (same shapes, so the import
+    itself succeeds) -> the logits are far from transformers'."""
+    hf_model, path = v3[True]
+    swapped = {"gate_proj": "up_proj", "up_proj": "gate_proj", "down_proj": "down_proj"}
+    monkeypatch.setattr(keymap, "_DENSE", [(f"mlp.{n}.weight", ("mlp", swapped[n]), "linear", 1) for n in swapped])
+    model, _ = load_hf(path, overrides=INDEXER)
+    err = float(np.max(np.abs(dense_logits(model, tokens) - hf_logits(hf_model, tokens))))
+    assert err > 1e-2, err
