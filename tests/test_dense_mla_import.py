@@ -1,7 +1,11 @@
 """Importing a dense MLA checkpoint (transformers' `deepseek_v3`: DeepSeek-V3 / V3.1, Kimi-K2, Moonlight) into a DSA
 model (issue 43): in dense mode the import reproduces DeepseekV3ForCausalLM's logits (both RoPE layouts, which
 deepseek_v3 reads from config.json) and decodes as it prefills; every layer's lightning indexer is fresh, the model's
-own initialiser; a deliberately wrong key map fails the check."""
+own initialiser; a deliberately wrong key map fails the check; export writes `deepseek_v32` with the indexers, which
+DeepseekV32ForCausalLM loads to glmjax's sparse logits."""
+import json
+import os
+
 import numpy as np
 import pytest
 from flax import nnx, traverse_util
@@ -12,9 +16,10 @@ transformers = pytest.importorskip("transformers")
 import jax.numpy as jnp  # noqa: E402
 
 from glmjax.infer import Decoder  # noqa: E402
-from glmjax.interop import keymap, load_hf  # noqa: E402
+from glmjax.interop import keymap, load_hf, save_hf  # noqa: E402
 from glmjax.model import GLM  # noqa: E402
-from test_interop import DS_TINY, S, batch_of, randomize  # noqa: E402
+from test_interop import (DS_TINY, S, batch_of, hf_forward, ours_forward, randomize,  # noqa: E402
+                          topk_mismatches)
 
 V3_TINY = {k: v for k, v in DS_TINY.items() if not k.startswith("index")}  # no indexer in a deepseek_v3 config
 INDEXER = dict(index_n_heads=32, index_head_dim=32, index_topk=8)  # the fresh indexers' shape (--set on the CLI)
@@ -104,3 +109,27 @@ def test_a_wrong_key_map_fails_the_parity_check(v3, tokens, monkeypatch):
     model, _ = load_hf(path, overrides=INDEXER)
     err = float(np.max(np.abs(dense_logits(model, tokens) - hf_logits(hf_model, tokens))))
     assert err > 1e-2, err
+
+
+def test_export_writes_deepseek_v32_that_transformers_loads_with_our_sparse_logits(v3, tokens, tmp_path):
+    """The import (fresh indexers, as after any training of them) exported with its layout: a `deepseek_v32`
+    checkpoint with the indexers, which DeepseekV32ForCausalLM loads (nothing missing or unexpected) and whose logits
+    equal glmjax's *sparse* logits: the indexers select the same keys."""
+    _, path = v3[True]
+    model, layout = load_hf(path, overrides={**INDEXER, "scan_layers": False})
+    out = str(tmp_path / "dsv32")
+    save_hf(model, out, layout)
+    cfg = json.load(open(os.path.join(out, "config.json")))
+    assert cfg["model_type"] == "deepseek_v32" and cfg["architectures"] == ["DeepseekV32ForCausalLM"]
+    assert (cfg["index_n_heads"], cfg["index_head_dim"], cfg["index_topk"]) == (32, 32, 8)
+    hf32, info = transformers.DeepseekV32ForCausalLM.from_pretrained(out, attn_implementation="eager",
+                                                                     output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    hf32 = hf32.float().eval()
+    ref, hf_used = hf_forward(hf32, tokens)
+    logits, used, scores = ours_forward(model, tokens)
+    for i, (u, h, sc) in enumerate(zip(used, hf_used, scores)):
+        assert not topk_mismatches(u, h, sc), f"layer {i}: top-k sets differ"
+    err = float(np.max(np.abs(logits - ref)))
+    assert err < 1e-4, err
+    assert float(np.max(np.abs(logits - dense_logits(model, tokens)))) > 1e-3  # sparse really differs from dense

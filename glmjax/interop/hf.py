@@ -471,9 +471,10 @@ def save_hf(model: GLM, path: str, layout: HFLayout | None = None, *, model_type
         known = {k for k, _ in order}
         if known != wanted:
             notes.append(f"model differs from the layout ({len(wanted - known)} new, {len(known - wanted)} gone "
-                         "tensors): new ones appended in canonical order")
+                         "tensors): new ones appended in canonical order, in the source's dtype")
+            source_dtype = dict(order).get("model.embed_tokens.weight", dtype)
             order = [(k, dt) for k, dt in order if k in wanted] + [
-                (k, _default_dtype(k, dtype)) for k in specs if k not in known]
+                (k, _default_dtype(k, source_dtype)) for k in specs if k not in known]
         hf_config = _layout_config(layout, cfg, notes)
     else:
         specs = plan_keys(cfg, leaf_shapes, {})
@@ -529,11 +530,17 @@ def _default_dtype(key: str, dtype: str) -> str:
 
 
 def _layout_config(layout: HFLayout, cfg: ModelConfig, notes: list) -> dict:
-    """The source config.json, unless the model's architecture changed since import (then a generated one)."""
+    """The source config.json, unless the model's architecture changed since import (then a generated one); a dense
+    MLA source (keymap.DENSE_MLA) is written in its family's DSA format, with the model's indexers."""
     raw = dict(layout.config)
     if layout.dequantized:
         raw.pop("quantization_config", None)
         notes.append("FP8 source: weights exported dequantised (bf16); quantization_config removed")
+    if layout.model_type in keymap.DENSE_MLA:
+        target = keymap.DENSE_MLA[layout.model_type]
+        notes.append(f"{layout.model_type} source: written as {target} (the DSA format of its family), with the "
+                     "indexers")
+        return config_to_hf(cfg, target, dtype=raw.get("dtype") or raw.get("torch_dtype") or "bfloat16")
     src, _, _ = keymap.map_config(layout.config, latent_norm_eps=layout.latent_norm_eps,
                                   honour_rope_flags=layout.honour_rope_flags, overrides=layout.overrides)
     ignore = {"num_nextn_predict_layers"}  # an absent MTP layer is recorded by the keys, not the config
