@@ -133,3 +133,42 @@ def test_export_writes_deepseek_v32_that_transformers_loads_with_our_sparse_logi
     err = float(np.max(np.abs(logits - ref)))
     assert err < 1e-4, err
     assert float(np.max(np.abs(logits - dense_logits(model, tokens)))) > 1e-3  # sparse really differs from dense
+
+
+@pytest.mark.slow
+def test_walkthrough_import_recipe_export_loads_in_transformers(v3, tokens, tmp_path):
+    """The README walkthrough "From a dense MLA checkpoint to DSA", its three commands: `glmjax-hf import` of a
+    transformers-saved deepseek_v3 (fresh indexers) -> train.py's dense_warmup (only the indexers change) ->
+    sparse_adapt -> `glmjax-hf export` with the import's layout: a deepseek_v32 checkpoint that
+    DeepseekV32ForCausalLM loads (nothing missing or unexpected) to the trained model's sparse logits."""
+    from glmjax.interop.hf import main as hf
+    from glmjax.workdir import load_model_state, workdir_model
+    from test_reliability import ROOT, launch
+
+    _, src = v3[True]
+    ckpt, runs, out = (str(tmp_path / n) for n in ("ckpt", "runs", "dsv32"))
+    sets = [a for kv in ("index_n_heads=32", "index_head_dim=32", "index_topk=8") for a in ("--set", kv)]
+    assert hf(["import", src, ckpt, *sets, "--compilation-cache", ""]) == 0
+    p = launch(runs, "--config.stages.dense_warmup.train.steps=6", "--config.stages.sparse_adapt.train.steps=6",
+               "--config.data.max_docs=50", flags=[f"--config={os.path.join(ROOT, 'configs', 'dsa_from_dense.py')}:"
+                                                   f"{ckpt}"])
+    log, _ = p.communicate(timeout=600)
+    assert p.returncode == 0, log[-3000:]
+    assert "trains indexer" in log and "init_from " + ckpt in log
+    def flat(tree):  # (orbax restores list indices as strings)
+        return {tuple(map(str, k)): np.asarray(v) for k, v in traverse_util.flatten_dict(tree).items()}
+
+    imported = flat(nnx.state(load_hf(src, overrides=INDEXER)[0]).to_pure_dict())
+    warm = flat(load_model_state(os.path.join(runs, "dense_warmup"))[0])
+    assert set(imported) == set(warm)
+    changed = {k for k in imported if not np.array_equal(imported[k], warm[k])}
+    assert changed and all("indexer" in k for k in changed), sorted(changed)[:5]
+    assert hf(["export", os.path.join(runs, "sparse_adapt"), out, "--layout", ckpt, "--compilation-cache", ""]) == 0
+    assert json.load(open(os.path.join(out, "config.json")))["model_type"] == "deepseek_v32"
+    hf32, info = transformers.DeepseekV32ForCausalLM.from_pretrained(out, attn_implementation="eager",
+                                                                     output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    model = workdir_model(os.path.join(runs, "sparse_adapt"))[0]
+    h, _ = nnx.jit(lambda m, b: m(b, "sparse"))(model, batch_of(tokens))
+    err = float(np.max(np.abs(np.asarray(model.logits(h)) - hf_logits(hf32.float().eval(), tokens))))
+    assert err < 1e-4, err

@@ -17,27 +17,20 @@ import os
 import sys
 
 import jax
-from flax import nnx
 
 from glmjax.cli.runtime import configure_jax
-from glmjax.config import ModelConfig
 from glmjax.data.chat import ChatTemplate
 from glmjax.data.tokenizer import make_tokenizer
 from glmjax.infer import Decoder, generate
 from glmjax.model import GLM
+from glmjax.workdir import workdir_model
 
 
 def load_model(path: str) -> GLM:
     """A stage or PPO workdir, a directory from `glmjax-hf import` or a Hugging Face checkpoint -> the model it
     holds."""
     if os.path.isdir(os.path.join(path, "checkpoints")):
-        from glmjax.train.checkpoint import load_model_state
-
-        state, meta, _ = load_model_state(path)
-        cfg = ModelConfig.from_dict(meta["model"])
-        graphdef, abstract = nnx.split(nnx.eval_shape(lambda: GLM(cfg, nnx.Rngs(0))))
-        nnx.replace_by_pure_dict(abstract, state)  # the stage's own config: every leaf is in the checkpoint
-        return nnx.merge(graphdef, abstract)
+        return workdir_model(path)[0]
     from glmjax.interop.hf import load_checkpoint, load_hf
 
     if os.path.exists(os.path.join(path, "model_config.json")):

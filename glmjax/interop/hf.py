@@ -45,6 +45,7 @@ from glmjax.interop.keymap import Spec, config_from_hf, config_to_hf, plan_keys,
 from glmjax.interop.safetensors_io import DTYPES, Reader, TensorInfo, read_header, write_file
 from glmjax.model import GLM
 from glmjax.parallel.rules import logical_sharding  # noqa: F401  (re-exported: `sharding=` for load_hf)
+from glmjax.workdir import workdir_model
 
 log = logging.getLogger("glmjax.interop")
 
@@ -591,9 +592,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("hf_dir")
     p.add_argument("out_dir")
     p = sub.add_parser("export", help="glmjax checkpoint (from `import` or training) -> HF checkpoint")
-    p.add_argument("ckpt_dir", help="holds model_config.json, state/ (orbax) and optionally hf_layout.json; or a "
-                   "finished PPO workdir (its policy/)")
+    p.add_argument("ckpt_dir", help="a directory from `import` (model_config.json, state/, hf_layout.json), a "
+                   "training workdir (its newest intact checkpoint) or a finished PPO workdir (its policy/)")
     p.add_argument("hf_dir")
+    p.add_argument("--layout", default=None, metavar="IMPORT_DIR",
+                   help="write the key names, dtypes and config.json of this import's source (its hf_layout.json); "
+                   "a deepseek_v3 source is written as deepseek_v32")
     p.add_argument("--model-type", default="glm_moe_dsa", choices=keymap.MODEL_TYPES,
                    help="without hf_layout.json")
     p.add_argument("--dtype", default="BF16", choices=("BF16", "F32", "F16"), help="without hf_layout.json")
@@ -630,31 +634,37 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     try:
-        src = export_source(args.ckpt_dir)
+        model, layout = export_model(args.ckpt_dir, args.layout)
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    model, layout = load_checkpoint(src)
     files = save_hf(model, args.hf_dir, layout, model_type=args.model_type, dtype=args.dtype,
                     max_shard_size=args.max_shard_size, overwrite=args.overwrite)
     print(f"exported {args.ckpt_dir} -> {args.hf_dir}: {', '.join(files)}")
     return 0
 
 
-def export_source(path: str) -> str:
-    """The glmjax checkpoint directory `export` reads for `path`: path itself (written by `import`, or a PPO run's
-    policy/), or a PPO workdir's final policy (path/policy)."""
+def export_model(path: str, layout_dir: str | None = None) -> tuple[GLM, HFLayout | None]:
+    """What `export` writes for `path` -> (model, layout): a directory written by `import` (or a PPO run's policy/)
+    with its hf_layout.json; a finished PPO workdir's policy/; a stage or PPO workdir's newest intact checkpoint
+    (glmjax/workdir.py), without a layout. layout_dir: an import directory whose hf_layout.json (the source's key
+    names, dtypes, expert layout, config.json) is used instead, e.g. the import a training run started from."""
     if os.path.exists(os.path.join(path, "model_config.json")):
-        return path
-    if os.path.exists(os.path.join(path, "policy", "model_config.json")):
-        return os.path.join(path, "policy")
-    if os.path.isdir(os.path.join(path, "checkpoints")):
-        raise FileNotFoundError(
-            f"{path}: a training workdir without a final policy/ (an LM stage, or a PPO run that has not finished: "
-            "rerun its command to complete it); export reads a directory written by `glmjax-hf import` or a "
-            f"finished PPO run (glmjax-generate --checkpoint {path} reads its newest checkpoint)")
-    raise FileNotFoundError(f"{path}: no model_config.json: export reads a directory written by `glmjax-hf import` "
-                            "or a PPO workdir (its policy/)")
+        model, layout = load_checkpoint(path)
+    elif os.path.exists(os.path.join(path, "policy", "model_config.json")):
+        model, layout = load_checkpoint(os.path.join(path, "policy"))
+    elif os.path.isdir(os.path.join(path, "checkpoints")):
+        model, layout = workdir_model(path)[0], None
+    else:
+        raise FileNotFoundError(f"{path}: neither a directory written by `glmjax-hf import` (model_config.json), a "
+                                "training workdir (checkpoints/) nor a finished PPO workdir (policy/)")
+    if layout_dir is not None:
+        lpath = os.path.join(layout_dir, "hf_layout.json")
+        if not os.path.exists(lpath):
+            raise FileNotFoundError(f"--layout {layout_dir}: no hf_layout.json (written by `glmjax-hf import`)")
+        with open(lpath) as f:
+            layout = HFLayout.from_json(f.read())
+    return model, layout
 
 
 def load_checkpoint(ckpt_dir: str) -> tuple[GLM, HFLayout | None]:

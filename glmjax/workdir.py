@@ -1,0 +1,137 @@
+"""Reading a training workdir (an LM stage's or a PPO run's): the per-step manifests of its checkpoints (size and
+CRC-32 of every file, written once orbax has committed the step), their verification, and the newest intact
+model state -- what every reader of a workdir uses (init_from, glmjax-generate, glmjax-hf export, the tools).
+Writing and restoring a run's whole state (optimizer, data iterator, damage handling): glmjax/train/checkpoint.py.
+
+workdir/checkpoints/<step>/{model, opt_state, data, meta, manifest.json}; "model" is the model's complete state as
+a nested dict of arrays, "meta" holds the step, the stage and the model config.
+"""
+from __future__ import annotations
+
+import json
+import os
+import warnings
+import zlib
+
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from glmjax.config import ModelConfig
+from glmjax.model import GLM
+
+MANIFEST = "manifest.json"
+
+
+def file_crc32(path: str) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def step_files(step_dir: str) -> list[str]:
+    """Relative paths of the files of a step directory (the manifest excluded), sorted."""
+    out = []
+    for root, _, files in os.walk(step_dir):
+        out += [os.path.relpath(os.path.join(root, f), step_dir) for f in files]
+    return sorted(p for p in out if p != MANIFEST and not p.startswith(MANIFEST + "."))
+
+
+def write_manifest(step_dir: str) -> None:
+    files = {p: {"size": os.path.getsize(os.path.join(step_dir, p)), "crc32": file_crc32(os.path.join(step_dir, p))}
+             for p in step_files(step_dir)}
+    tmp = os.path.join(step_dir, f"{MANIFEST}.tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump({"version": 1, "checksum": "crc32", "files": files}, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(step_dir, MANIFEST))
+
+
+def verify_manifest(step_dir: str, item: str | None = None) -> str | None:
+    """None if every file of the step (of its `item` only, e.g. "meta") matches its manifest, else what is wrong
+    (naming the file). A step without a manifest -> "unsealed" (the caller decides)."""
+    path = os.path.join(step_dir, MANIFEST)
+    if not os.path.exists(path):
+        return "unsealed"
+    try:
+        with open(path) as f:
+            files = json.load(f)["files"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{MANIFEST} is unreadable ({type(e).__name__}: {e})"
+    ours = (lambda rel: True) if item is None else (lambda rel: rel.startswith(item + os.sep))  # noqa: E731
+    files = {rel: want for rel, want in files.items() if ours(rel)}
+    for rel, want in sorted(files.items()):
+        p = os.path.join(step_dir, rel)
+        if not os.path.exists(p):
+            return f"file {rel} is missing"
+        if os.path.getsize(p) != want["size"]:
+            return f"file {rel} has {os.path.getsize(p)} bytes, the manifest says {want['size']}"
+        if file_crc32(p) != want["crc32"]:
+            return f"file {rel} fails its checksum (CRC-32 differs from the manifest)"
+    extra = sorted({rel for rel in step_files(step_dir) if ours(rel)} - set(files))
+    return f"file {extra[0]} is not in the manifest" if extra else None
+
+
+def intact_steps(directory: str) -> list[int]:
+    """Steps below a checkpoints directory whose files all match their manifest, sorted."""
+    steps = sorted(int(n) for n in os.listdir(directory) if n.isdigit()) if os.path.isdir(directory) else []
+    return [s for s in steps if verify_manifest(os.path.join(directory, str(s))) is None]
+
+
+def newest_meta(workdir: str) -> tuple[int, dict] | None:
+    """(step, meta) of the newest checkpoint whose meta reads -- its files matching the manifest, when the step has
+    one -- without opening any array; None if there is none. (orbax's JsonSave writes an item as <item>/metadata.)"""
+    directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+    steps = sorted((int(n) for n in os.listdir(directory) if n.isdigit()), reverse=True) \
+        if os.path.isdir(directory) else []
+    for step in steps:
+        step_dir = os.path.join(directory, str(step))
+        if verify_manifest(step_dir, "meta") in (None, "unsealed"):
+            try:
+                with open(os.path.join(step_dir, "meta", "metadata")) as f:
+                    return step, json.load(f)
+            except (OSError, ValueError):
+                pass
+    return None
+
+
+def short_error(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+
+
+def load_model_state(workdir: str) -> tuple[dict, dict, int]:
+    """The model state (nested dict of arrays) and meta of the newest intact checkpoint of a finished or running
+    stage, for initialising the next stage. -> (state, meta, step). Damaged steps are skipped (not moved)."""
+    directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"init_from={workdir!r}: no checkpoints directory {directory}")
+    manager = ocp.CheckpointManager(directory, item_names=("model", "meta"))
+    problems = []
+    try:
+        for step in sorted(manager.all_steps(), reverse=True):
+            problem = verify_manifest(os.path.join(directory, str(step)))
+            if problem in (None, "unsealed"):
+                try:
+                    r = manager.restore(step, args=ocp.args.Composite(model=ocp.args.StandardRestore(),
+                                                                      meta=ocp.args.JsonRestore()))
+                    return r.model, r.meta, step
+                except Exception as e:  # noqa: BLE001
+                    problem = f"unreadable ({short_error(e)})"
+            warnings.warn(f"checkpoint {directory}/{step} is damaged and was skipped: {problem}", stacklevel=2)
+            problems.append(f"step {step}: {problem}")
+    finally:
+        manager.close()
+    raise FileNotFoundError(f"init_from={workdir!r}: no intact checkpoint in {directory}"
+                            + (f" ({'; '.join(problems)})" if problems else ""))
+
+
+def workdir_model(workdir: str) -> tuple[GLM, dict, int]:
+    """The model of a workdir's newest intact checkpoint, built from the config it was trained with -> (model, meta,
+    step)."""
+    state, meta, step = load_model_state(workdir)
+    cfg = ModelConfig.from_dict(meta["model"])
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: GLM(cfg, nnx.Rngs(0))))
+    nnx.replace_by_pure_dict(abstract, state)  # the run's own config: every leaf is in the checkpoint
+    return nnx.merge(graphdef, abstract), meta, step
