@@ -1,4 +1,5 @@
-"""Hugging Face checkpoint import/export for GLM-5 (`glm_moe_dsa`) and DeepSeek-V3.2 (`deepseek_v32`).
+"""Hugging Face checkpoint import/export for GLM-5 (`glm_moe_dsa`) and DeepSeek-V3.2 (`deepseek_v32`); import of the
+dense MLA `deepseek_v3` with fresh lightning indexers (`fresh_init`), exported as `deepseek_v32`.
 
     model, layout = load_hf("path/to/GLM-5")              # config.json + *.safetensors (+ index json)
     save_hf(model, "out/", layout, max_shard_size="5GB")  # same key names, dtypes and expert layout
@@ -16,7 +17,8 @@ Handled: per-expert (`mlp.experts.{e}.*_proj.weight`, the hub layout) and fused 
 shared schedule: ignored with a note); the MTP layer at index num_hidden_layers (embedding/head shared with the
 main model; DeepSeek's private `embed_tokens` / `shared_head.head` copies are verified against the shared weights).
 
-CLI: glmjax-hf (or python -m glmjax.interop.hf) {inspect,import,export} ... (see `main`).
+CLI: glmjax-hf (or python -m glmjax.interop.hf) {inspect,import,export} ... (see `main`); export reads an import, a
+training workdir (its newest intact checkpoint, glmjax/workdir.py) or a finished PPO workdir (`export_model`).
 """
 from __future__ import annotations
 
