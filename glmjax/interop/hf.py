@@ -319,8 +319,8 @@ def load_hf(path: str, *, sharding: ShardingSpec = None, latent_norm_eps: float 
         raise HFCheckpointError(missing, unexpected, mismatched, path)
     fresh_leaves = {part.leaf for k in fresh for part in specs[k].parts}
     if fresh:
-        notes.append(f"{len(fresh)} indexer tensors of {len(fresh_leaves)} parameters are fresh (not in this dense "
-                     f"checkpoint: the model's initialiser, seed 0), e.g. {fresh[0]}")
+        notes.append(f"{len(fresh)} indexer tensors ({len(fresh_leaves)} stacked parameters) are fresh (not in this "
+                     f"dense checkpoint: the model's initialiser, seed 0), e.g. {fresh[0]}")
     if ignored:
         reasons = dict.fromkeys(r for _, r in ignored)
         for r in reasons:
