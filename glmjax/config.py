@@ -41,6 +41,10 @@ class ModelConfig:
     topk_group: int = 1
     routed_scaling_factor: float = 2.5
     norm_topk_prob: bool = True
+    # the router (docs/model.md B.9): "sigmoid" with "noaux_tc" (GLM-5, DeepSeek-V3/V3.2), or "softmax" with "greedy"
+    # / "group_limited_greedy" (DeepSeek-V2: a group scores by its best expert)
+    scoring_func: str = "sigmoid"
+    topk_method: str = "noaux_tc"
     index_n_heads: int = 4
     index_head_dim: int = 32
     index_topk: int = 8
@@ -183,6 +187,11 @@ class ModelConfig:
         if self.num_experts_per_tok > self.topk_group * (self.n_routed_experts // self.n_group):
             fail("num_experts_per_tok", f"must be <= topk_group * experts per group = "
                  f"{self.topk_group * (self.n_routed_experts // self.n_group)}")
+        methods = {"sigmoid": ("noaux_tc",), "softmax": ("greedy", "group_limited_greedy")}
+        if self.scoring_func not in methods:
+            fail("scoring_func", f"must be one of {tuple(methods)}")
+        if self.topk_method not in methods[self.scoring_func]:
+            fail("topk_method", f"must be one of {methods[self.scoring_func]} with scoring_func={self.scoring_func!r}")
         if self.index_n_heads * self.index_head_dim < 1:
             fail("index_n_heads", "must be >= 1")
         if self.indexer_types is not None and (self.index_topk_freq, self.index_skip_topk_offset) != (1, 2) and \

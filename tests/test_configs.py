@@ -102,7 +102,8 @@ def test_old_checkpoint_meta_loads_and_is_written_the_same():
              "--config.model.indexer_types=('full', 'shared', 'full', 'shared')")
     cfg = ModelConfig.from_dict(c.model)
     assert ModelConfig.from_dict(json.loads(OLD_META)) == cfg
-    added = {"context_layout": "zigzag", "dense_attention_impl": "auto"}  # fields added since: at their defaults
+    added = {"context_layout": "zigzag", "dense_attention_impl": "auto",  # fields added since: at their defaults
+             "scoring_func": "sigmoid", "topk_method": "noaux_tc"}
     assert cfg.to_json_dict() == {**json.loads(OLD_META), **added}
 
 

@@ -1,5 +1,5 @@
-"""Importing a dense MLA checkpoint (transformers' `deepseek_v3`: DeepSeek-V3 / V3.1, Kimi-K2, Moonlight) into a DSA
-model (issue 43): in dense mode the import reproduces DeepseekV3ForCausalLM's logits (both RoPE layouts, which
+"""Importing a dense MLA checkpoint (transformers' `deepseek_v3`: DeepSeek-V3 / V3.1, Kimi-K2, Moonlight; and
+`deepseek_v2` with its softmax router) into a DSA model (issue 43): in dense mode the import reproduces DeepseekV3ForCausalLM's logits (both RoPE layouts, which
 deepseek_v3 reads from config.json) and decodes as it prefills; every layer's lightning indexer is fresh, the model's
 own initialiser; a deliberately wrong key map fails the check; export writes `deepseek_v32` with the indexers, which
 DeepseekV32ForCausalLM loads to glmjax's sparse logits."""
@@ -172,3 +172,68 @@ def test_walkthrough_import_recipe_export_loads_in_transformers(v3, tokens, tmp_
     h, _ = nnx.jit(lambda m, b: m(b, "sparse"))(model, batch_of(tokens))
     err = float(np.max(np.abs(np.asarray(model.logits(h)) - hf_logits(hf32.float().eval(), tokens))))
     assert err < 1e-4, err
+
+
+# ------------------------------------------------------------------ deepseek_v2: DeepSeek-V2's softmax router
+
+
+@pytest.fixture(scope="module")
+def v2(tmp_path_factory):
+    """{topk_method: (transformers DeepseekV2ForCausalLM, its directory)}: softmax routing, 4 groups / top-2 for the
+    group-limited one, routed_scaling_factor 1.5, no router normalisation (DeepSeek-V2 has none)."""
+    root = tmp_path_factory.mktemp("dense_mla_v2")
+    out = {}
+    for i, method in enumerate(("group_limited_greedy", "greedy")):
+        kw = {k: v for k, v in V3_TINY.items() if k not in ("scoring_func", "topk_method", "norm_topk_prob")}
+        cfg = transformers.DeepseekV2Config(**{**kw, "topk_method": method, "routed_scaling_factor": 1.5})
+        cfg._attn_implementation = "eager"
+        torch.manual_seed(20 + i)
+        model = randomize(transformers.DeepseekV2ForCausalLM(cfg).float().eval(), 20 + i)
+        model.save_pretrained(str(root / method))
+        out[method] = (model, str(root / method))
+    return out
+
+
+@pytest.mark.parametrize("method", ["group_limited_greedy", "greedy"])
+def test_deepseek_v2_import_reproduces_transformers_in_dense_mode(v2, tokens, method):
+    hf_model, path = v2[method]
+    model, layout = load_hf(path, overrides=INDEXER)
+    cfg = model.cfg
+    assert (cfg.scoring_func, cfg.topk_method, cfg.norm_topk_prob, cfg.routed_scaling_factor) == \
+        ("softmax", method, False, 1.5)
+    assert any(n.startswith("5 router correction biases start at 0") for n in layout.notes)  # 5 MoE layers
+    assert any("fresh" in n and n.startswith("30 indexer tensors") for n in layout.notes)
+    err = float(np.max(np.abs(dense_logits(model, tokens) - hf_logits(hf_model, tokens))))
+    assert err < 1e-4, err
+
+
+def test_deepseek_v2_router_choices_matter(v2, tokens):
+    """Negative controls: the group-limited checkpoint routed without the group limit, or with its weights normalised
+    (GLM-5's norm_topk_prob), is far from transformers' logits (so the parity above tests the router)."""
+    hf_model, path = v2["group_limited_greedy"]
+    ref = hf_logits(hf_model, tokens)
+    for wrong in ({"topk_method": "greedy"}, {"norm_topk_prob": True}):
+        model, _ = load_hf(path, overrides={**INDEXER, **wrong})
+        err = float(np.max(np.abs(dense_logits(model, tokens) - ref)))
+        assert err > 1e-3, (wrong, err)
+
+
+def test_deepseek_v2_has_no_dsa_format_export_says_so_in_one_line(v2, tmp_path, capsys):
+    from glmjax.config import ConfigError, ModelConfig
+    from glmjax.interop import config_from_hf
+    from glmjax.interop.hf import main as hf
+
+    _, path = v2["greedy"]
+    ckpt = str(tmp_path / "ckpt")
+    sets = [a for kv in ("index_n_heads=32", "index_head_dim=32", "index_topk=8") for a in ("--set", kv)]
+    assert hf(["import", path, ckpt, *sets, "--compilation-cache", ""]) == 0
+    capsys.readouterr()
+    assert hf(["export", ckpt, str(tmp_path / "out"), "--compilation-cache", ""]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "no DSA format in transformers has its router" in err[0], err
+    assert not any(f.endswith(".safetensors") for f in os.listdir(tmp_path / "out"))
+    with pytest.raises(ConfigError, match="topk_method='noaux_tc': must be one of"):
+        ModelConfig.from_dict({"scoring_func": "softmax", "topk_method": "noaux_tc"})
+    lite = {**json.load(open(os.path.join(path, "config.json"))), "q_lora_rank": None}  # DeepSeek-V2-Lite
+    with pytest.raises(ConfigError, match="q_lora_rank=None: MLA without a query LoRA is not supported"):
+        config_from_hf(lite)

@@ -41,7 +41,7 @@ import numpy as np
 from flax import nnx
 
 from glmjax.cli.runtime import configure_jax
-from glmjax.config import ModelConfig
+from glmjax.config import ConfigError, ModelConfig
 from glmjax.interop import keymap
 from glmjax.interop.keymap import Spec, config_from_hf, config_to_hf, plan_keys, to_hf, to_ours
 from glmjax.interop.safetensors_io import DTYPES, Reader, TensorInfo, read_header, write_file
@@ -314,9 +314,13 @@ def load_hf(path: str, *, sharding: ShardingSpec = None, latent_norm_eps: float 
     block = keymap.fp8_block(raw)
     missing, unexpected, mismatched, ignored, scales, copies = _classify(cfg, tensors, specs, block)
     fresh = [k for k in missing if keymap.INDEXER_SUFFIX in k] if raw["model_type"] in keymap.DENSE_MLA else []
-    missing = [k for k in missing if k not in fresh]
+    unbiased = [k for k in missing if k.endswith(keymap.ROUTER_BIAS)] if cfg.scoring_func == "softmax" else []
+    missing = [k for k in missing if k not in fresh and k not in unbiased]
     if missing or unexpected or mismatched:
         raise HFCheckpointError(missing, unexpected, mismatched, path)
+    if unbiased:
+        notes.append(f"{len(unbiased)} router correction biases start at 0 ({cfg.scoring_func} routing has none in "
+                     f"the checkpoint), e.g. {unbiased[0]}")
     fresh_leaves = {part.leaf for k in fresh for part in specs[k].parts}
     if fresh:
         notes.append(f"{len(fresh)} indexer tensors ({len(fresh_leaves)} stacked parameters) are fresh (not in this "
@@ -541,6 +545,9 @@ def _layout_config(layout: HFLayout, cfg: ModelConfig, notes: list) -> dict:
         notes.append("FP8 source: weights exported dequantised (bf16); quantization_config removed")
     if layout.model_type in keymap.DENSE_MLA:
         target = keymap.DENSE_MLA[layout.model_type]
+        if target is None:
+            raise ConfigError(f"{layout.model_type} source: no DSA format in transformers has its router "
+                              f"(scoring_func={cfg.scoring_func!r}, topk_method={cfg.topk_method!r}); nothing written")
         notes.append(f"{layout.model_type} source: written as {target} (the DSA format of its family), with the "
                      "indexers")
         return config_to_hf(cfg, target, dtype=raw.get("dtype") or raw.get("torch_dtype") or "bfloat16")
@@ -637,11 +644,11 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         model, layout = export_model(args.ckpt_dir, args.layout)
-    except FileNotFoundError as e:
+        files = save_hf(model, args.hf_dir, layout, model_type=args.model_type, dtype=args.dtype,
+                        max_shard_size=args.max_shard_size, overwrite=args.overwrite)
+    except (FileNotFoundError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    files = save_hf(model, args.hf_dir, layout, model_type=args.model_type, dtype=args.dtype,
-                    max_shard_size=args.max_shard_size, overwrite=args.overwrite)
     print(f"exported {args.ckpt_dir} -> {args.hf_dir}: {', '.join(files)}")
     return 0
 

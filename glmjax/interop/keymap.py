@@ -19,7 +19,7 @@ from glmjax.config import ConfigError, ModelConfig
 MODEL_TYPES = ("glm_moe_dsa", "deepseek_v32")  # what export writes (DSA checkpoints)
 # Dense MLA checkpoints import reads too: every layer gets a fresh lightning indexer (trained by dense_warmup); the
 # value is the DSA format of the same family, which export of the result writes.
-DENSE_MLA = {"deepseek_v3": "deepseek_v32"}
+DENSE_MLA = {"deepseek_v3": "deepseek_v32", "deepseek_v2": None}  # None: no DSA format has DeepSeek-V2's router
 IMPORT_TYPES = MODEL_TYPES + tuple(DENSE_MLA)
 ARCHITECTURES = {"glm_moe_dsa": "GlmMoeDsaForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM"}
 HF_LATENT_NORM_EPS = 1e-6  # HF builds q_a_layernorm / kv_a_layernorm with the RMSNorm default eps (docs/model.md F-4)
@@ -27,7 +27,8 @@ HF_LATENT_NORM_EPS = 1e-6  # HF builds q_a_layernorm / kv_a_layernorm with the R
 # read `rope_interleave` / `indexer_rope_interleave` (docs/model.md F-1). Also the defaults when a flag is absent.
 HF_ROPE_LAYOUT = {"glm_moe_dsa": dict(rope_interleave=True, indexer_rope_interleave=True),
                   "deepseek_v32": dict(rope_interleave=True, indexer_rope_interleave=False),
-                  "deepseek_v3": dict(rope_interleave=True, indexer_rope_interleave=False)}
+                  "deepseek_v3": dict(rope_interleave=True, indexer_rope_interleave=False),
+                  "deepseek_v2": dict(rope_interleave=True, indexer_rope_interleave=False)}  # V2: complex pairs
 # ... except the flags transformers does read (deepseek_v3's attention honours `rope_interleave`; its fresh indexers
 # take deepseek_v32's layout, which export writes)
 HF_READS = {"deepseek_v3": ("rope_interleave",)}
@@ -38,15 +39,20 @@ _DEFAULTS = {
     "glm_moe_dsa": dict(n_group=1, topk_group=1, rms_norm_eps=1e-5, index_n_heads=32),
     "deepseek_v32": dict(n_group=8, topk_group=4, rms_norm_eps=1e-6, index_n_heads=64),
     "deepseek_v3": dict(n_group=8, topk_group=4, rms_norm_eps=1e-6, index_n_heads=64),  # the indexer: DSV3.2's
+    "deepseek_v2": dict(n_group=1, topk_group=1, rms_norm_eps=1e-6, index_n_heads=64, n_shared_experts=2,
+                        norm_topk_prob=False, routed_scaling_factor=1.0, first_k_dense_replace=0,
+                        scoring_func="softmax", topk_method="greedy"),
 }
 _COMMON_DEFAULTS = dict(n_shared_experts=1, norm_topk_prob=True, routed_scaling_factor=2.5, first_k_dense_replace=3,
-                        index_topk=2048, index_head_dim=128)
+                        index_topk=2048, index_head_dim=128, scoring_func="sigmoid", topk_method="noaux_tc")
+# the routers each model type has: (scoring_func, topk_methods)
+ROUTERS = {"deepseek_v2": ("softmax", ("greedy", "group_limited_greedy"))}
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
              "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
              "v_head_dim", "n_routed_experts", "num_experts_per_tok", "max_position_embeddings")
 _COPIED = _REQUIRED + ("n_group", "topk_group", "rms_norm_eps", "index_n_heads", "n_shared_experts", "norm_topk_prob",
                        "routed_scaling_factor", "index_topk", "index_head_dim", "rope_interleave",
-                       "indexer_rope_interleave")
+                       "indexer_rope_interleave", "scoring_func", "topk_method")
 _YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
               "attention_factor")
 
@@ -105,8 +111,13 @@ def map_config(hf: Mapping[str, Any], *, latent_norm_eps: float | None, honour_r
             errors.append(f"{field}={hf[field]!r}: {rule}")
 
     want("hidden_act", lambda v: v == "silu", "only 'silu' (SwiGLU) is supported")
-    want("scoring_func", lambda v: v == "sigmoid", "only 'sigmoid' routing is supported")
-    want("topk_method", lambda v: v == "noaux_tc", "only 'noaux_tc' is supported")
+    scoring, methods = ROUTERS.get(mt, ("sigmoid", ("noaux_tc",)))
+    want("scoring_func", lambda v: v == scoring, f"only {scoring!r} routing is supported for {mt}")
+    want("topk_method", lambda v: v in methods, f"must be one of {list(methods)} for {mt}")
+    if mt == "deepseek_v2" and d.get("norm_topk_prob"):  # transformers' DeepseekV2TopkRouter never normalises
+        notes.append("deepseek_v2: norm_topk_prob=true in config.json ignored (transformers never normalises the "
+                     "DeepSeek-V2 router's weights)")
+        d["norm_topk_prob"] = False
     want("attention_bias", lambda v: not v, "attention biases are not supported")
     want("mlp_bias", lambda v: not v, "MLP biases are not supported")
     want("tie_word_embeddings", lambda v: not v, "tied embeddings are not supported (GLM-5 / DSV3.2 are untied)")
@@ -209,6 +220,10 @@ def config_to_hf(cfg: ModelConfig, model_type: str = "glm_moe_dsa", dtype: str =
     with honour_rope_flags=True, vLLM and SGLang read it back, transformers does not."""
     if model_type not in MODEL_TYPES:
         raise ConfigError(f"model_type={model_type!r}: must be one of {list(MODEL_TYPES)}")
+    if (cfg.scoring_func, cfg.topk_method) != ("sigmoid", "noaux_tc"):
+        raise ConfigError(f"scoring_func={cfg.scoring_func!r} / topk_method={cfg.topk_method!r} (DeepSeek-V2's "
+                          f"router): no DSA format in transformers has it ({model_type} routes by sigmoid + "
+                          "noaux_tc), so the model cannot be exported as one")
     for name, hf_value in HF_ROPE_LAYOUT[model_type].items():
         if getattr(cfg, name) != hf_value:
             log.warning("%s=%s written to config.json: transformers 5.24 ignores it and computes %s (%s), so its "
@@ -222,7 +237,7 @@ def config_to_hf(cfg: ModelConfig, model_type: str = "glm_moe_dsa", dtype: str =
     L, k = cfg.num_hidden_layers, cfg.first_k_dense_replace
     out.update(first_k_dense_replace=k, mlp_layer_types=["dense"] * k + ["sparse"] * (L - k),
                num_key_value_heads=cfg.num_attention_heads, qk_head_dim=cfg.qk_head_dim,
-               head_dim=cfg.qk_rope_head_dim, hidden_act="silu", scoring_func="sigmoid", topk_method="noaux_tc",
+               head_dim=cfg.qk_rope_head_dim, hidden_act="silu",
                attention_bias=False, tie_word_embeddings=False, moe_layer_freq=1,
                num_nextn_predict_layers=cfg.num_nextn_predict_layers, dtype=dtype)
     rope = {"rope_theta": cfg.rope_theta, "rope_type": "default"}
@@ -330,6 +345,7 @@ _MTP = [
     ("shared_head.norm.weight", ("mtp", "shared_head_norm", "weight"), "copy", 1),
 ]
 INDEXER_SUFFIX = "self_attn.indexer."
+ROUTER_BIAS = "mlp.gate.e_score_correction_bias"
 MTP_COPIES = {"embed_tokens.weight": "model.embed_tokens.weight", "shared_head.head.weight": "lm_head.weight"}
 EXPERT_LAYOUTS = ("per_expert", "fused", "fused.weight")  # fused keys: mlp.experts.gate_up_proj[.weight]
 

@@ -67,14 +67,17 @@ def route(cfg: ModelConfig, logits: jax.Array, bias: jax.Array):
     """Router logits [N,E] f32 -> (weights [N,K_e] f32, expert ids [N,K_e] int32).
 
     Selection uses sigmoid(z) + bias, limited to the topk_group best groups (group score = sum of its top-2);
-    the weights use the un-biased sigmoid scores, normalised (if norm_topk_prob) and scaled.
+    the weights use the un-biased sigmoid scores, normalised (if norm_topk_prob) and scaled. With scoring_func
+    "softmax" (DeepSeek-V2): softmax(z) + bias, "greedy" over all experts or "group_limited_greedy" (group score =
+    its best expert).
     """
-    s = jax.nn.sigmoid(logits)
+    s = jax.nn.softmax(logits, axis=-1) if cfg.scoring_func == "softmax" else jax.nn.sigmoid(logits)
     sel = s + bias
-    if cfg.n_group > 1:
+    if cfg.n_group > 1 and cfg.topk_method != "greedy":
         N, E = sel.shape
         grouped = sel.reshape(N, cfg.n_group, E // cfg.n_group)
-        group_score = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [N,G]
+        best = jax.lax.top_k(grouped, 2 if cfg.topk_method == "noaux_tc" else 1)[0]
+        group_score = jnp.sum(best, axis=-1)  # [N,G]
         _, keep = jax.lax.top_k(group_score, cfg.topk_group)
         keep_mask = jnp.any(keep[:, :, None] == jnp.arange(cfg.n_group), axis=1)  # [N,G]
         sel = jnp.where(keep_mask[:, :, None], grouped, -jnp.inf).reshape(N, E)
