@@ -84,10 +84,13 @@ def test_the_fresh_indexers_are_the_model_initialiser_and_the_rest_the_checkpoin
         assert not np.allclose(np.asarray(ours[k]), np.asarray(init[k]))
 
 
-def test_the_import_decodes_as_transformers_prefills(v3, tokens):
+@pytest.mark.parametrize("family", ["v3", "v2"])
+def test_the_import_decodes_as_transformers_prefills(family, tokens, request):
     """Prefill 24 tokens, then 12 teacher-forced decode steps on the MLA latent cache: every step's logits equal
-    transformers' full forward at that position (dense attention)."""
-    hf_model, path = v3[True]
+    transformers' full forward at that position (dense attention; deepseek_v3, and deepseek_v2's group-limited
+    softmax router)."""
+    hf_model, path = request.getfixturevalue("v3")[True] if family == "v3" else \
+        request.getfixturevalue("v2")["group_limited_greedy"]
     model, _ = load_hf(path, overrides=INDEXER)
     ref = hf_logits(hf_model, tokens)
     dec = Decoder(model, "dense")
