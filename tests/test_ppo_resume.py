@@ -51,8 +51,8 @@ def interrupted(reference, target, last=2):
     """A copy of the reference run as if killed after step `last`'s checkpoint: its later checkpoints, policy/ and
     summary.json gone, metrics.jsonl cut after that step."""
     shutil.copytree(reference, target)
-    for name in ("summary.json", "policy"):
-        shutil.rmtree(os.path.join(target, name)) if name == "policy" else os.remove(os.path.join(target, name))
+    os.remove(os.path.join(target, "summary.json"))
+    shutil.rmtree(os.path.join(target, "policy"))
     for step in os.listdir(os.path.join(target, "checkpoints")):
         if int(step) > last:
             shutil.rmtree(os.path.join(target, "checkpoints", step))
