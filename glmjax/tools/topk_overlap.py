@@ -21,21 +21,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from glmjax.config import ModelConfig
 from glmjax.data import default_data_config, make_pipeline
 from glmjax.model import GLM
-from glmjax.train.checkpoint import load_model_state
 from glmjax.train.loop import to_batch
-from glmjax.train.stages import surgery
 from glmjax.train.step import topk_overlap
+from glmjax.workdir import workdir_model
 
 
 def load_model(path: str) -> GLM:
     if os.path.isdir(os.path.join(path, "checkpoints")):
-        state, meta, step = load_model_state(path)
-        cfg = ModelConfig.from_dict(meta["model"])
-        model = GLM(cfg, nnx.Rngs(0))
-        surgery(model, state, cfg)
+        model, meta, step = workdir_model(path)
         print(f"{path}: stage {meta.get('stage')}, step {step}")
         return model
     from glmjax.interop.hf import load_checkpoint, load_hf
