@@ -29,7 +29,7 @@ class ModelConfig:
     num_hidden_layers: int = 6
     first_k_dense_replace: int = 1
     num_attention_heads: int = 4
-    q_lora_rank: int = 64
+    q_lora_rank: int = 64  # 0: no query LoRA (DeepSeek-V2-Lite, Moonlight): q_proj [D, H, d_qk] (docs/model.md B.9)
     kv_lora_rank: int = 32
     qk_nope_head_dim: int = 32
     qk_rope_head_dim: int = 16
@@ -152,14 +152,14 @@ class ModelConfig:
             if f.type == "bool" and not isinstance(v, bool):
                 fail(f.name, "must be True or False")
         positive = ["vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
-                    "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                    "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                     "v_head_dim", "n_routed_experts", "num_experts_per_tok", "n_group", "topk_group",
                     "index_n_heads", "index_head_dim", "index_topk", "index_topk_freq", "max_position_embeddings",
                     "block_q", "loss_chunk"]
         for name in positive:
             if getattr(self, name) < 1:
                 fail(name, "must be >= 1")
-        for name in ["n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers", "mtp_depth",
+        for name in ["q_lora_rank", "n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers", "mtp_depth",
                      "index_skip_topk_offset"]:
             if getattr(self, name) < 0:
                 fail(name, "must be >= 0")

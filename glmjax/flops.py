@@ -47,17 +47,24 @@ FLOP_COMPONENTS = ("mla_proj", "attention", "indexer", "indexer_loss", "dense_ml
 
 
 def mla_params(cfg: ModelConfig) -> int:
-    """q_a_proj, q_a_layernorm, q_b_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj (docs/model.md C.2)."""
+    """q_a_proj, q_a_layernorm, q_b_proj (or q_proj without a query LoRA), kv_a_proj_with_mqa, kv_a_layernorm,
+    kv_b_proj, o_proj (docs/model.md C.2)."""
     D, H, r_q, r_kv = cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank
     d_r, d_n, d_v = cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
-    return (D * r_q + r_q + r_q * H * cfg.qk_head_dim + D * (r_kv + d_r) + r_kv
+    return (D * r_q + r_q + query_width(cfg) * H * cfg.qk_head_dim + D * (r_kv + d_r) + r_kv
             + r_kv * H * (d_n + d_v) + H * d_v * D)
 
 
+def query_width(cfg: ModelConfig) -> int:
+    """Width of the query input that q_b_proj / the indexer's wq_b read: r_q, or D without a query LoRA."""
+    return cfg.q_lora_rank or cfg.hidden_size
+
+
 def indexer_params(cfg: ModelConfig) -> int:
-    """wq_b [r_q, H_I, d_I], wk [D, d_I], k_norm weight + bias [d_I], weights_proj [D, H_I] (GLM-5: 9,371,904)."""
+    """wq_b [r_q, H_I, d_I] (wq [D, H_I, d_I]), wk [D, d_I], k_norm weight + bias [d_I], weights_proj [D, H_I]
+    (GLM-5: 9,371,904)."""
     H_I, d_I, D = cfg.index_n_heads, cfg.index_head_dim, cfg.hidden_size
-    return cfg.q_lora_rank * H_I * d_I + D * d_I + 2 * d_I + D * H_I
+    return query_width(cfg) * H_I * d_I + D * d_I + 2 * d_I + D * H_I
 
 
 def mlp_params(cfg: ModelConfig, width: int) -> int:
@@ -140,9 +147,10 @@ def keys_per_query(T: int, limit: int | None = None, causal: bool = True) -> flo
 
 
 def mla_proj_flops(cfg: ModelConfig) -> int:
-    """q_a_proj, q_b_proj, kv_a_proj_with_mqa, o_proj: the per-token projections every mode and phase runs."""
+    """q_a_proj, q_b_proj (or q_proj), kv_a_proj_with_mqa, o_proj: the per-token projections every mode and phase
+    runs."""
     D, H, r_q, r_kv = cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank
-    return 2 * (D * r_q + r_q * H * cfg.qk_head_dim + D * (r_kv + cfg.qk_rope_head_dim) + H * cfg.v_head_dim * D)
+    return 2 * (D * r_q + query_width(cfg) * H * cfg.qk_head_dim + D * (r_kv + cfg.qk_rope_head_dim) + H * cfg.v_head_dim * D)
 
 
 def kv_up_flops(cfg: ModelConfig) -> int:
@@ -170,9 +178,9 @@ def attention_flops(cfg: ModelConfig, n_keys: float, form: str) -> float:
 
 
 def indexer_proj_flops(cfg: ModelConfig) -> int:
-    """wq_b (from q_resid), wk and weights_proj (from x)."""
+    """wq_b (from q_resid; wq from x), wk and weights_proj (from x)."""
     H_I, d_I, D = cfg.index_n_heads, cfg.index_head_dim, cfg.hidden_size
-    return 2 * (cfg.q_lora_rank * H_I * d_I + D * d_I + D * H_I)
+    return 2 * (query_width(cfg) * H_I * d_I + D * d_I + D * H_I)
 
 
 def indexer_score_flops(cfg: ModelConfig, n_keys: float) -> float:

@@ -25,11 +25,16 @@ V3_TINY = {k: v for k, v in DS_TINY.items() if not k.startswith("index")}  # no 
 INDEXER = dict(index_n_heads=32, index_head_dim=32, index_topk=8)  # the fresh indexers' shape (--set on the CLI)
 
 
-def build_v3(path, seed, **kw):
-    cfg = transformers.DeepseekV3Config(**{**V3_TINY, **kw})
+V2_TINY = {k: v for k, v in V3_TINY.items() if k not in ("scoring_func", "topk_method", "norm_topk_prob")}
+
+
+def build_hf(family, path, seed, **kw):
+    """A random tiny DeepseekV3ForCausalLM ("v3") or DeepseekV2ForCausalLM ("v2"), saved by transformers to path."""
+    name = {"v3": "DeepseekV3", "v2": "DeepseekV2"}[family]
+    cfg = getattr(transformers, name + "Config")(**{**(V3_TINY if family == "v3" else V2_TINY), **kw})
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
-    model = randomize(transformers.DeepseekV3ForCausalLM(cfg).float().eval(), seed)
+    model = randomize(getattr(transformers, name + "ForCausalLM")(cfg).float().eval(), seed)
     model.save_pretrained(path)
     return model
 
@@ -38,8 +43,8 @@ def build_v3(path, seed, **kw):
 def v3(tmp_path_factory):
     """{rope_interleave: (transformers model, its save_pretrained directory)}."""
     root = tmp_path_factory.mktemp("dense_mla")
-    return {inter: (build_v3(str(root / f"v3_{inter}"), 3 + inter, rope_interleave=inter), str(root / f"v3_{inter}"))
-            for inter in (True, False)}
+    return {inter: (build_hf("v3", str(root / f"v3_{inter}"), 3 + inter, rope_interleave=inter),
+                    str(root / f"v3_{inter}")) for inter in (True, False)}
 
 
 @pytest.fixture(scope="module")
@@ -84,13 +89,14 @@ def test_the_fresh_indexers_are_the_model_initialiser_and_the_rest_the_checkpoin
         assert not np.allclose(np.asarray(ours[k]), np.asarray(init[k]))
 
 
-@pytest.mark.parametrize("family", ["v3", "v2"])
+@pytest.mark.parametrize("family", ["v3", "v2", "v2_lite"])
 def test_the_import_decodes_as_transformers_prefills(family, tokens, request):
     """Prefill 24 tokens, then 12 teacher-forced decode steps on the MLA latent cache: every step's logits equal
-    transformers' full forward at that position (dense attention; deepseek_v3, and deepseek_v2's group-limited
-    softmax router)."""
-    hf_model, path = request.getfixturevalue("v3")[True] if family == "v3" else \
-        request.getfixturevalue("v2")["group_limited_greedy"]
+    transformers' full forward at that position (dense attention; deepseek_v3, deepseek_v2's group-limited
+    softmax router, and DeepSeek-V2-Lite's MLA without a query LoRA)."""
+    hf_model, path = {"v3": lambda: request.getfixturevalue("v3")[True],
+                      "v2": lambda: request.getfixturevalue("v2")["group_limited_greedy"],
+                      "v2_lite": lambda: request.getfixturevalue("lite")["v2"]}[family]()
     model, _ = load_hf(path, overrides=INDEXER)
     ref = hf_logits(hf_model, tokens)
     dec = Decoder(model, "dense")
@@ -187,13 +193,8 @@ def v2(tmp_path_factory):
     root = tmp_path_factory.mktemp("dense_mla_v2")
     out = {}
     for i, method in enumerate(("group_limited_greedy", "greedy")):
-        kw = {k: v for k, v in V3_TINY.items() if k not in ("scoring_func", "topk_method", "norm_topk_prob")}
-        cfg = transformers.DeepseekV2Config(**{**kw, "topk_method": method, "routed_scaling_factor": 1.5})
-        cfg._attn_implementation = "eager"
-        torch.manual_seed(20 + i)
-        model = randomize(transformers.DeepseekV2ForCausalLM(cfg).float().eval(), 20 + i)
-        model.save_pretrained(str(root / method))
-        out[method] = (model, str(root / method))
+        out[method] = (build_hf("v2", str(root / method), 20 + i, topk_method=method, routed_scaling_factor=1.5),
+                       str(root / method))
     return out
 
 
@@ -223,7 +224,6 @@ def test_deepseek_v2_router_choices_matter(v2, tokens):
 
 def test_deepseek_v2_has_no_dsa_format_export_says_so_in_one_line(v2, tmp_path, capsys):
     from glmjax.config import ConfigError, ModelConfig
-    from glmjax.interop import config_from_hf
     from glmjax.interop.hf import main as hf
 
     _, path = v2["greedy"]
@@ -237,6 +237,66 @@ def test_deepseek_v2_has_no_dsa_format_export_says_so_in_one_line(v2, tmp_path, 
     assert not any(f.endswith(".safetensors") for f in os.listdir(tmp_path / "out"))
     with pytest.raises(ConfigError, match="topk_method='noaux_tc': must be one of"):
         ModelConfig.from_dict({"scoring_func": "softmax", "topk_method": "noaux_tc"})
-    lite = {**json.load(open(os.path.join(path, "config.json"))), "q_lora_rank": None}  # DeepSeek-V2-Lite
-    with pytest.raises(ConfigError, match="q_lora_rank=None: MLA without a query LoRA is not supported"):
-        config_from_hf(lite)
+
+
+# ------------------------------------ no query LoRA (q_lora_rank null): DeepSeek-V2-Lite, Moonlight-16B-A3B
+
+
+@pytest.fixture(scope="module")
+def lite(tmp_path_factory):
+    """{family: (transformers model, its directory)} with q_lora_rank=None: deepseek_v2 (DeepSeek-V2-Lite's MLA and
+    greedy softmax router) and deepseek_v3 (Moonlight's MLA and sigmoid router)."""
+    root = tmp_path_factory.mktemp("dense_mla_lite")
+    return {f: (build_hf(f, str(root / f), 30 + i, q_lora_rank=None), str(root / f)) for i, f in enumerate(("v2", "v3"))}
+
+
+@pytest.mark.parametrize("family", ["v2", "v3"])
+def test_mla_without_a_query_lora_reproduces_transformers_in_dense_mode(lite, tokens, family):
+    """The queries come from q_proj [D, H, d_qk]; the fresh indexers read the normed hidden state through wq."""
+    hf_model, path = lite[family]
+    model, layout = load_hf(path, overrides=INDEXER)
+    assert model.cfg.q_lora_rank == 0 and any("no query LoRA" in n for n in layout.notes)
+    assert any(n.startswith("30 indexer tensors") and "indexer.wq.weight" in n for n in layout.notes)
+    names = {k[-1] for k in traverse_util.flatten_dict(nnx.state(model).to_pure_dict())}
+    assert {"q_proj", "wq"} <= names and not names & {"q_a_proj", "q_b_proj", "wq_b"}
+    err = float(np.max(np.abs(dense_logits(model, tokens) - hf_logits(hf_model, tokens))))
+    assert err < 1e-4, err
+
+
+def test_mla_without_a_query_lora_decodes_sparse_as_it_prefills(lite, tokens):
+    """Sparse attention (the fresh indexers select 8 keys; IndexShare layers reuse them) on the latent and indexer
+    caches: prefill + 16 decode steps give the logits of the sparse full forward at every position."""
+    from test_decode import full_logits
+
+    model, _ = load_hf(lite["v3"][1], overrides={**INDEXER, "indexer_types": ("full", "shared") * 3})
+    P = 16
+    want = [full_logits(model, list(row), "sparse") for row in tokens]
+    dec = Decoder(model, "sparse")
+    caches = dec.init_cache(2, P + 16)
+    logits, caches = dec.prefill(dec.state, jnp.asarray(tokens[:, :P]), jnp.full((2,), P, jnp.int32), caches)
+    np.testing.assert_allclose(np.asarray(logits), [w[P - 1] for w in want], atol=1e-4)
+    for t in range(P, P + 16):
+        logits, caches = dec.decode(dec.state, jnp.asarray(tokens[:, t]), jnp.full((2,), t, jnp.int32), caches)
+        np.testing.assert_allclose(np.asarray(logits), [w[t] for w in want], atol=1e-4, err_msg=f"position {t}")
+    assert np.abs(np.asarray(logits) - dense_logits(model, tokens)[:, P + 15]).max() > 1e-3  # sparse != dense here
+
+
+def test_mla_without_a_query_lora_has_no_dsa_format_export_says_so_in_one_line(lite, tmp_path, capsys):
+    """transformers' deepseek_v32 / glm_moe_dsa build their indexer on the q latent: export of such an import stops
+    in one line (exit 2, no tensor written), and a DSA config.json with q_lora_rank null is refused."""
+    from glmjax.config import ConfigError
+    from glmjax.interop import config_from_hf
+    from glmjax.interop.hf import main as hf
+
+    _, path = lite["v3"]
+    ckpt = str(tmp_path / "ckpt")
+    sets = [a for kv in ("index_n_heads=32", "index_head_dim=32", "index_topk=8") for a in ("--set", kv)]
+    assert hf(["import", path, ckpt, *sets, "--compilation-cache", ""]) == 0
+    capsys.readouterr()
+    assert hf(["export", ckpt, str(tmp_path / "out"), "--compilation-cache", ""]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "without a query LoRA" in err[0], err
+    assert not any(f.endswith(".safetensors") for f in os.listdir(tmp_path / "out"))
+    dsa = {**json.load(open(os.path.join(path, "config.json"))), "model_type": "deepseek_v32"}
+    with pytest.raises(ConfigError, match="q_lora_rank=None: deepseek_v32 needs a query LoRA"):
+        config_from_hf(dsa)

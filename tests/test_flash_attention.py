@@ -249,12 +249,14 @@ def test_glm5_dense_layer_loss_compiles_for_v5p_with_the_splash_kernel():
     assert f"{S},{S}]" not in hlo and f"{S}, {S}]" not in hlo
 
 
-def test_head_grouped_layer_equals_the_materialised_layer(monkeypatch):
+@pytest.mark.parametrize("q_lora_rank", [64, 0])
+def test_head_grouped_layer_equals_the_materialised_layer(monkeypatch, q_lora_rank):
     """One MLA layer (H 4 in 2 head groups, each group's keys / values / output projection in a rematerialised
     step) vs the materialised layer: output, max logit, the streamed indexer KL (it uses the groups' lse) and the
-    gradients of sum(out * ct) + KL w.r.t. every parameter and the input; packed documents, S = 37. The grouping
-    is the same for every dense_attention_impl (the splash kernel itself: the tests above)."""
-    cfg = tiny(num_attention_heads=4, block_q=BLOCK, init_std=0.3)
+    gradients of sum(out * ct) + KL w.r.t. every parameter and the input; packed documents, S = 37; with a query
+    LoRA and without (q_proj, the indexer's wq). The grouping is the same for every dense_attention_impl (the splash
+    kernel itself: the tests above)."""
+    cfg = tiny(num_attention_heads=4, block_q=BLOCK, init_std=0.3, q_lora_rank=q_lora_rank)
     graphdef, params = nnx.split(mla.MLA(cfg, True, nnx.Rngs(0)))
     seg, S = packed_segments(), 37
     cos, sin = jax.jit(rope_tables, static_argnums=1)(np.broadcast_to(np.arange(S), (2, S)), cfg)

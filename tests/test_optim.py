@@ -12,6 +12,7 @@ from glmjax.config import ConfigError, ModelConfig
 from glmjax.model import GLM
 from glmjax.model.layers import param
 from glmjax.optim import build_optimizer, default_optim_config, make_schedule
+from glmjax.optim.grouping import variables_by_path
 from glmjax.optim.muon import clip_by_group_norm
 from helpers import tiny
 
@@ -183,6 +184,23 @@ def test_split_heads_are_independent(small):
     # o_proj [layers, H, d_v, D]: head 0 of layer 1
     u1 = updates_for(tx, params, perturb(grads, "self_attn.o_proj", (1, 0)))
     assert_only(u0, u1, o, (1, 0))
+
+
+def test_without_a_query_lora_q_proj_splits_per_head_and_wq_is_an_indexer_parameter():
+    """q_lora_rank 0 (DeepSeek-V2-Lite): q_proj [D, H, d_qk] is orthogonalised per head like q_b_proj (fan-in D), with
+    the head dims read off its shape when no model config is given; the indexer's wq joins the indexer group."""
+    cfg = tiny(**SMALL, q_lora_rank=0)
+    abstract = nnx.state(nnx.eval_shape(lambda: GLM(cfg, nnx.Rngs(0))), nnx.Param)
+    names = {p.split(".")[-1] for p in variables_by_path(abstract)}
+    assert {"q_proj", "wq"} <= names and not names & {"q_a_proj", "q_b_proj", "wq_b"}
+    for model_cfg in (cfg, None):
+        _, table = build_optimizer(abstract, dict(name="muon_split", split_rope="separate"), model_cfg)
+        infos = {i.path: i for i in table.infos}
+        q = infos[ATTN.format(0) + "q_proj"]
+        assert q.group == "muon" and q.matrices == 2 * 2 * cfg.num_attention_heads  # layers x (nope, rope) x heads
+        assert [(s.name, s.fan_in, s.fan_out) for s in q.segments] == [
+            ("nope", cfg.hidden_size, cfg.qk_nope_head_dim), ("rope", cfg.hidden_size, cfg.qk_rope_head_dim)]
+        assert infos[ATTN.format(0) + "indexer.wq"].group == "indexer"
 
 
 def test_split_rope_separate_and_unsplit_contrast(small):

@@ -18,12 +18,14 @@ def rand(key, shape, scale=1.0):
 
 
 @pytest.mark.slow
-def test_chunked_sparse_layers_equal_the_unchunked_layers(monkeypatch):
+@pytest.mark.parametrize("q_lora_rank", [64, 0])
+def test_chunked_sparse_layers_equal_the_unchunked_layers(monkeypatch, q_lora_rank):
     """A full layer (own indexer) and the shared layer after it (IndexShare: the full layer's top-k): outputs, the
     indexer KL toward both layers' mean attention (docs/model.md E.4) and the gradients of sum(out * ct) + KL
     w.r.t. every parameter and the input (both layers read x), in chunks of 8 queries (S = 37) vs the whole
-    sequence; packed documents and padding (queries with fewer than k visible keys: -1 slots), f32."""
-    cfg = tiny(num_attention_heads=4, index_topk=8, block_q=16, init_std=0.3)
+    sequence; packed documents and padding (queries with fewer than k visible keys: -1 slots), f32; with a query
+    LoRA and without (q_proj, the indexer's wq)."""
+    cfg = tiny(num_attention_heads=4, index_topk=8, block_q=16, init_std=0.3, q_lora_rank=q_lora_rank)
     graphdef, params = nnx.split(nnx.List([mla.MLA(cfg, i == 0, nnx.Rngs(i)) for i in range(2)]))
     seg = np.array([[1] * 3 + [2] * 20 + [3] * 14, [1] * 5 + [2] * 25 + [0] * 7], np.int32)
     pos = np.concatenate([np.arange(n) for n in (3, 20, 14, 5, 25, 7)]).reshape(2, S)

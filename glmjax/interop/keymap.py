@@ -90,6 +90,8 @@ def map_config(hf: Mapping[str, Any], *, latent_norm_eps: float | None, honour_r
     for name in _COPIED:
         if hf.get(name) is not None:
             d[name] = hf[name]
+        elif name == "q_lora_rank" and name in hf:  # null: MLA without a query LoRA (DeepSeek-V2-Lite, Moonlight)
+            d[name] = 0
         elif name in defaults:
             d[name] = defaults[name]
         else:
@@ -126,8 +128,11 @@ def map_config(hf: Mapping[str, Any], *, latent_norm_eps: float | None, honour_r
     if "qk_head_dim" in hf and "qk_nope_head_dim" in d and "qk_rope_head_dim" in d:
         want("qk_head_dim", lambda v: v == d["qk_nope_head_dim"] + d["qk_rope_head_dim"],
              "must equal qk_nope_head_dim + qk_rope_head_dim")
-    if hf.get("q_lora_rank", 0) is None:
-        errors.append("q_lora_rank=None: MLA without a query LoRA is not supported")
+    if d.get("q_lora_rank") == 0 and mt not in DENSE_MLA:
+        errors.append(f"q_lora_rank=None: {mt} needs a query LoRA (its indexer reads the q latent)")
+    elif d.get("q_lora_rank") == 0:
+        notes.append(f"{mt}: no query LoRA (q_lora_rank=null): the queries come from q_proj, and the fresh "
+                     "indexers' queries from the normed hidden state through wq [D, H_I, d_I]")
 
     # dense / MoE layer pattern
     L = d.get("num_hidden_layers", 0)
@@ -228,6 +233,9 @@ def config_to_hf(cfg: ModelConfig, model_type: str = "glm_moe_dsa", dtype: str =
         if getattr(cfg, name) != hf_value:
             log.warning("%s=%s written to config.json: transformers 5.24 ignores it and computes %s (%s), so its "
                         "logits will differ", name, getattr(cfg, name), hf_value, model_type)
+    if not cfg.q_lora_rank:
+        raise ConfigError(f"q_lora_rank=0 (MLA without a query LoRA): {model_type} in transformers has none (its "
+                          "indexer reads the q latent), so the model cannot be exported as one")
     types = list(cfg.layer_indexer_types)
     if model_type == "deepseek_v32" and "shared" in types:
         raise ConfigError("model_type='deepseek_v32' cannot express IndexShare 'shared' layers: export as glm_moe_dsa")
@@ -330,6 +338,10 @@ _INDEXER = [
     ("self_attn.indexer.k_norm.bias", ("self_attn", "indexer", "k_norm", "bias"), "copy", 1),
     ("self_attn.indexer.weights_proj.weight", ("self_attn", "indexer", "weights_proj"), "linear", 1),
 ]
+# without a query LoRA (q_lora_rank 0): q_proj replaces q_a_proj .. q_b_proj, and the indexer's wq replaces wq_b (no
+# HF format has such an indexer: its key only names the tensor that import fills fresh)
+_Q_PROJ = ("self_attn.q_proj.weight", ("self_attn", "q_proj"), "linear", 1)
+_INDEXER_WQ = ("self_attn.indexer.wq.weight", ("self_attn", "indexer", "wq"), "linear", 1)
 _POST = [("post_attention_layernorm.weight", ("post_attention_layernorm", "weight"), "copy", 1)]
 _DENSE = [(f"mlp.{n}.weight", ("mlp", n), "linear", 1) for n in ("gate_proj", "up_proj", "down_proj")]
 _ROUTER = [
@@ -369,7 +381,11 @@ def plan_keys(cfg: ModelConfig, leaf_shapes: Mapping[tuple, tuple], expert_layou
 
     def layer(i, leaf_prefix, index, moe, has_indexer):
         p = layer_prefix(i)
-        table = _ATTN + (_INDEXER if has_indexer else []) + _POST
+        if cfg.q_lora_rank:
+            table = _ATTN + (_INDEXER if has_indexer else [])
+        else:
+            table = _ATTN[:1] + [_Q_PROJ] + _ATTN[4:] + ([_INDEXER_WQ] + _INDEXER[1:] if has_indexer else [])
+        table += _POST
         table += (_ROUTER + (_SHARED if cfg.n_shared_experts else [])) if moe else _DENSE
         for suffix, leaf, kind, n_in in table:
             add(p + suffix, leaf_prefix + leaf, index, kind, n_in)

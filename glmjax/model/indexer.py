@@ -21,25 +21,33 @@ NEG_INF = -jnp.inf
 
 
 class Indexer(nnx.Module):
-    """Parameters: wq_b [r_q, H_I, d_I], wk [D, d_I], k_norm (LayerNorm d_I), weights_proj [D, H_I]."""
+    """Parameters: wq_b [r_q, H_I, d_I] (from the MLA's q latent; without a query LoRA wq [D, H_I, d_I] from the
+    normed hidden state, the query input the MLA reads instead), wk [D, d_I], k_norm (LayerNorm d_I),
+    weights_proj [D, H_I]."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.cfg = cfg
-        self.wq_b = normal_param(rngs, (cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim),
-                                 ("q_lora", "index_heads", "index_head_dim"), cfg)
+        if cfg.q_lora_rank:
+            self.wq_b = normal_param(rngs, (cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim),
+                                     ("q_lora", "index_heads", "index_head_dim"), cfg)
+        else:
+            self.wq = normal_param(rngs, (cfg.hidden_size, cfg.index_n_heads, cfg.index_head_dim),
+                                   ("embed", "index_heads", "index_head_dim"), cfg)
         self.wk = normal_param(rngs, (cfg.hidden_size, cfg.index_head_dim), ("embed", "index_head_dim"), cfg)
         self.k_norm = LayerNorm(cfg.index_head_dim, cfg.indexer_norm_eps, cfg)
         self.weights_proj = normal_param(rngs, (cfg.hidden_size, cfg.index_n_heads), ("embed", "index_heads"), cfg)
 
     def __call__(self, x, q_resid, cos, sin):
-        """x [B,S,D] (normed hidden), q_resid [B,S,r_q] -> q [B,S,H_I,d_I], k [B,S,d_I], w [B,S,H_I] (f32).
+        """x [B,S,D] (normed hidden), q_resid [B,S,r_q] (the MLA's query input: x without a query LoRA)
+        -> q [B,S,H_I,d_I], k [B,S,d_I], w [B,S,H_I] (f32).
 
         Inputs are detached: the indexer learns only from its own KL loss (docs/model.md E.2/E.3).
         """
         cfg, dt = self.cfg, dtype_of(self.cfg.dtype)
         x, q_resid = jax.lax.stop_gradient(x), jax.lax.stop_gradient(q_resid)
         dr, inter = cfg.qk_rope_head_dim, cfg.indexer_rope_interleave
-        q = dense(q_resid, self.wq_b[...], "bsr,rhd->bshd", dt)  # rope first, nope after (docs/model.md F-3)
+        w_q = self.wq_b[...] if cfg.q_lora_rank else self.wq[...]
+        q = dense(q_resid, w_q, "bsr,rhd->bshd", dt)  # rope first, nope after (docs/model.md F-3)
         q = jnp.concatenate([apply_rope(q[..., :dr], cos, sin, inter), q[..., dr:]], axis=-1)
         k = self.k_norm(dense(x, self.wk[...], "bsd,dk->bsk", dt))
         k = jnp.concatenate([apply_rope(k[..., :dr], cos, sin, inter), k[..., dr:]], axis=-1).astype(dt)

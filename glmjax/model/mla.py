@@ -61,7 +61,7 @@ class AttnStats(NamedTuple):
 
 class Projected(NamedTuple):
     """The query / latent projections of one layer call (RoPE applied) and the up-projection slices."""
-    q_resid: jax.Array  # [B,S,r_q] (normed), the indexer's query input
+    q_resid: jax.Array  # [B,S,r_q] (normed), or x [B,S,D] without a query LoRA: the query input (the indexer's too)
     q_nope: jax.Array  # [B,S,H,d_n]
     q_pe: jax.Array  # [B,S,H,d_r]
     c_kv: jax.Array  # [B,S,r_kv] (normed)
@@ -75,9 +75,12 @@ class MLA(nnx.Module):
         self.cfg = cfg
         D, H = cfg.hidden_size, cfg.num_attention_heads
         r_q, r_kv, d_r = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim
-        self.q_a_proj = normal_param(rngs, (D, r_q), ("embed", "q_lora"), cfg)
-        self.q_a_layernorm = RMSNorm(r_q, cfg.latent_norm_eps, cfg)
-        self.q_b_proj = normal_param(rngs, (r_q, H, cfg.qk_head_dim), ("q_lora", "heads", "head_dim"), cfg)
+        if r_q:  # the query LoRA: x -> q latent [r_q] -> RMSNorm -> per-head queries
+            self.q_a_proj = normal_param(rngs, (D, r_q), ("embed", "q_lora"), cfg)
+            self.q_a_layernorm = RMSNorm(r_q, cfg.latent_norm_eps, cfg)
+            self.q_b_proj = normal_param(rngs, (r_q, H, cfg.qk_head_dim), ("q_lora", "heads", "head_dim"), cfg)
+        else:  # q_lora_rank 0 (DeepSeek-V2-Lite): the queries straight from x
+            self.q_proj = normal_param(rngs, (D, H, cfg.qk_head_dim), ("embed", "heads", "head_dim"), cfg)
         self.kv_a_proj_with_mqa = normal_param(rngs, (D, r_kv + d_r), ("embed", "kv_lora"), cfg)
         self.kv_a_layernorm = RMSNorm(r_kv, cfg.latent_norm_eps, cfg)
         self.kv_b_proj = normal_param(rngs, (r_kv, H, cfg.qk_nope_head_dim + cfg.v_head_dim),
@@ -108,11 +111,22 @@ class MLA(nnx.Module):
         """o [B,S,H',d_v] -> [B,S,D] by the output projection (or its head slice w_o [H',d_v,D])."""
         return dense(o, self.o_proj[...] if w_o is None else w_o, "bshv,hvd->bsd", dtype_of(self.cfg.dtype))
 
+    def w_q(self):
+        """[r_q, H, d_qk] q_b_proj, or [D, H, d_qk] q_proj without a query LoRA: the per-head query weight that
+        every path applies to the query input (`query_input`)."""
+        return self.q_b_proj[...] if self.cfg.q_lora_rank else self.q_proj[...]
+
+    def query_input(self, x):
+        """x [B,S,D] (normed) -> the query input: the normed q latent [B,S,r_q], or x itself without a query LoRA."""
+        if not self.cfg.q_lora_rank:
+            return x
+        return self.q_a_layernorm(dense(x, self.q_a_proj[...], "bsd,dr->bsr", dtype_of(self.cfg.dtype)))
+
     def project(self, x, ctx: Ctx) -> Projected:
         cfg, dt = self.cfg, dtype_of(self.cfg.dtype)
         d_n, r_kv = cfg.qk_nope_head_dim, cfg.kv_lora_rank
-        q_resid = self.q_a_layernorm(dense(x, self.q_a_proj[...], "bsd,dr->bsr", dt))
-        q = dense(q_resid, self.q_b_proj[...], "bsr,rhd->bshd", dt)
+        q_resid = self.query_input(x)
+        q = dense(q_resid, self.w_q(), "bsr,rhd->bshd", dt)
         q_pe = apply_rope(q[..., d_n:], ctx.cos, ctx.sin, cfg.rope_interleave)  # nope first, rope last
         ckv = dense(x, self.kv_a_proj_with_mqa[...], "bsd,dc->bsc", dt)
         c_kv = self.kv_a_layernorm(ckv[..., :r_kv])
@@ -169,7 +183,7 @@ class MLA(nnx.Module):
         time; the backward redoes each group's step. -> out [B,S,D], max logit (no gradient), lse [B,S,H] f32."""
         cfg, dt = self.cfg, dtype_of(self.cfg.dtype)
         d_n, hg = cfg.qk_nope_head_dim, cfg.num_attention_heads // groups
-        w_q, w_o = self.q_b_proj[...], self.o_proj[...]
+        w_q, w_o = self.w_q(), self.o_proj[...]
         heads = lambda a, i, axis: jax.lax.dynamic_slice_in_dim(a, i * hg, hg, axis=axis)  # noqa: E731
 
         @jax.checkpoint  # saves only its input i (the rest is loop-invariant)
@@ -259,7 +273,7 @@ class MLA(nnx.Module):
 
         in_axes = (context.IQ,) * 4 + (context.K,) + ((),) * 4
         outs = local_queries(ctx.layout, chunks, in_axes, (context.IQ,) * (2 if with_p else 1))(
-            p.q_resid, ctx.cos, ctx.sin, topk, latent, self.q_b_proj[...], p.w_uk, p.w_uv, self.o_proj[...])
+            p.q_resid, ctx.cos, ctx.sin, topk, latent, self.w_q(), p.w_uk, p.w_uv, self.o_proj[...])
         return outs[0], outs[1] if with_p else None
 
 

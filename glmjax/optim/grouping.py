@@ -18,7 +18,8 @@ works: dropping "heads" from a rule's output axes turns heads into a batch axis.
 
 Split mode (docs/model.md E.6, "Muon Split"):
   q_b_proj  [r_q, H, d_nope + d_rope]  per head. split_rope = "together" (default): each head's [r_q, d_nope+d_rope]
-            block is one matrix; "separate": its nope and rope columns are two matrices.
+            block is one matrix; "separate": its nope and rope columns are two matrices. (q_proj [D, H, ..], the
+            query weight without a query LoRA, likewise.)
   kv_b_proj [r_kv, H, d_nope + d_v]   per head, W_UK = [.., :d_nope] and W_UV = [.., d_nope:] orthogonalised apart.
   o_proj    [H, d_v, D]               per head when split_o_proj (a head's [d_v, D] block).
 Unsplit Muon ("muon") orthogonalises each of the three as one matrix over all heads (r_q x H*(d_nope+d_rope), ...).
@@ -70,6 +71,7 @@ RULES: dict[str, Rule] = {
     "q_a_proj": _m(["embed"], ["q_lora"]),
     "kv_a_proj_with_mqa": _m(["embed"], ["kv_lora"]),
     "q_b_proj": _m(["q_lora"], ["heads", "head_dim"]),
+    "q_proj": _m(["embed"], ["heads", "head_dim"]),  # q_lora_rank 0: the queries straight from x
     "kv_b_proj": _m(["kv_lora"], ["heads", "head_dim"]),
     "o_proj": _m(["heads", "head_dim"], ["embed"]),
     "gate_proj": _m(["embed"], ["mlp"]),
@@ -80,10 +82,11 @@ RULES: dict[str, Rule] = {
     "experts_down": _m(["expert_mlp"], ["embed"]),
     "eh_proj": _m(["mtp_in"], ["embed"]),
     "wq_b": _m(["q_lora"], ["index_heads", "index_head_dim"]),
+    "wq": _m(["embed"], ["index_heads", "index_head_dim"]),  # q_lora_rank 0
     "wk": _m(["embed"], ["index_head_dim"]),
     "weights_proj": Rule("indexer_weights", expect=("embed", "index_heads")),  # per-head weights (f32; AdamW)
 }
-INDEXER_ONLY = {"wq_b", "wk", "weights_proj"}  # names that must sit under an `indexer` module
+INDEXER_ONLY = {"wq_b", "wq", "wk", "weights_proj"}  # names that must sit under an `indexer` module
 NOT_OPTIMIZED = {"e_score_correction_bias"}  # RouterBias: updated from expert load, never by an optimizer
 
 
@@ -187,7 +190,7 @@ def _matrix_rule(name: str, rule: Rule, o: dict) -> tuple[Rule, list[tuple[str, 
     """The rule after split mode -> (rule, segments as [(segment name, split axis name, size)])."""
     if o["name"] != "muon_split":
         return rule, []
-    if name == "q_b_proj":
+    if name in ("q_b_proj", "q_proj"):
         r = Rule("matrix", rule.reduce, ("head_dim",))
         if o["split_rope"] == "separate":
             return r, [("nope", "head_dim", o["_d_nope"]), ("rope", "head_dim", o["_d_rope"])]

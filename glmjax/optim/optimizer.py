@@ -39,12 +39,13 @@ def _split_dims(params, model_cfg, o) -> dict:
         if not path.endswith(".kv_b_proj") and path != "kv_b_proj":
             continue
         prefix = path[: -len("kv_b_proj")]
-        if prefix + "o_proj" not in shapes or prefix + "q_b_proj" not in shapes:
+        q = next((prefix + n for n in ("q_b_proj", "q_proj") if prefix + n in shapes), None)
+        if prefix + "o_proj" not in shapes or q is None:
             raise ValueError(f"muon_split: cannot infer the head dims at {path!r} (needs its sibling o_proj and "
-                             "q_b_proj); pass model_cfg to build_optimizer")
+                             "q_b_proj or q_proj); pass model_cfg to build_optimizer")
         d_v = shapes[prefix + "o_proj"][-2]
         d_nope = shape[-1] - d_v
-        d_rope = shapes[prefix + "q_b_proj"][-1] - d_nope
+        d_rope = shapes[q][-1] - d_nope
         found.add((d_nope, d_rope, d_v))
     if len(found) > 1:
         raise ValueError(f"muon_split: inconsistent head dims across attention blocks {sorted(found)}")
