@@ -7,6 +7,10 @@ every weight). The model and the starting weights are those of a `glmjax-hf impo
   python train.py --config=configs/dsa_from_dense.py:ckpt/dsv3 --workdir=runs/dsa \\
       --config.data.tokenizer=hf:path/to/DeepSeek-V3 --config.data.path=my_corpus.jsonl
 
+IndexShare (docs/model.md E.4) after them: --config.recipe="('dense_warmup', 'sparse_adapt', 'indexshare')" (GLM-5.2's
+uniform pattern: every 4th layer from layer 3 keeps its indexer). Its result has shared layers, which transformers'
+deepseek_v32 cannot express: it stays a glmjax checkpoint (generate, PPO, init_from).
+
 Without a checkpoint argument the tiny model is used (a plain check of the config). Train and data sections are
 tiny.py's (CPU scale: seq 128, batch 8); a real model needs its own (seq_len, batch_size, mesh: `parallel`).
 """
@@ -16,6 +20,7 @@ import os
 import ml_collections
 
 from configs import tiny
+from glmjax.config import default_indexer_types
 
 
 def get_config(ckpt_dir: str = ""):
@@ -32,5 +37,8 @@ def get_config(ckpt_dir: str = ""):
                                                            "schedule": "constant"}},
         # E.3: every weight, sparse attention; a low lr for the pretrained main model
         "sparse_adapt": {"train": {"steps": 60}, "optim": {"lr": 1e-4, "indexer_lr": 5e-3, "warmup_steps": 5}},
+        # E.4 (only when the recipe names it): the shared layers reuse the top-k of the full layer before them
+        "indexshare": {"model": {"indexer_types": default_indexer_types(c.model.num_hidden_layers, 4, 3)},
+                       "train": {"steps": 60}, "optim": {"lr": 1e-4, "indexer_lr": 5e-3, "warmup_steps": 5}},
     })
     return c

@@ -29,7 +29,7 @@ class ModelConfig:
     num_hidden_layers: int = 6
     first_k_dense_replace: int = 1
     num_attention_heads: int = 4
-    q_lora_rank: int = 64  # 0: no query LoRA (DeepSeek-V2-Lite, Moonlight): q_proj [D, H, d_qk] (docs/model.md B.9)
+    q_lora_rank: int = 64  # 0: no query LoRA (DeepSeek-V2-Lite, Moonlight): q_proj [D, H, d_qk] (docs/model.md B.4)
     kv_lora_rank: int = 32
     qk_nope_head_dim: int = 32
     qk_rope_head_dim: int = 16

@@ -148,8 +148,9 @@ def test_export_writes_deepseek_v32_that_transformers_loads_with_our_sparse_logi
 def test_walkthrough_import_recipe_export_loads_in_transformers(v3, tokens, tmp_path):
     """The README walkthrough "From a dense MLA checkpoint to DSA", its three commands: `glmjax-hf import` of a
     transformers-saved deepseek_v3 (fresh indexers) -> train.py's dense_warmup (only the indexers change) ->
-    sparse_adapt -> `glmjax-hf export` with the import's layout: a deepseek_v32 checkpoint that
-    DeepseekV32ForCausalLM loads (nothing missing or unexpected) to the trained model's sparse logits."""
+    sparse_adapt (-> the optional indexshare) -> `glmjax-hf export` with the import's layout: a deepseek_v32
+    checkpoint that DeepseekV32ForCausalLM loads (nothing missing or unexpected) to the trained model's sparse
+    logits."""
     from glmjax.interop.hf import main as hf
     from glmjax.workdir import load_model_state, workdir_model
     from test_reliability import ROOT, launch
@@ -159,11 +160,14 @@ def test_walkthrough_import_recipe_export_loads_in_transformers(v3, tokens, tmp_
     sets = [a for kv in ("index_n_heads=32", "index_head_dim=32", "index_topk=8") for a in ("--set", kv)]
     assert hf(["import", src, ckpt, *sets, "--compilation-cache", ""]) == 0
     p = launch(runs, "--config.stages.dense_warmup.train.steps=6", "--config.stages.sparse_adapt.train.steps=6",
-               "--config.data.max_docs=50", flags=[f"--config={os.path.join(ROOT, 'configs', 'dsa_from_dense.py')}:"
-                                                   f"{ckpt}"])
+               "--config.stages.indexshare.train.steps=6", "--config.data.max_docs=50",
+               "--config.recipe=('dense_warmup', 'sparse_adapt', 'indexshare')",
+               flags=[f"--config={os.path.join(ROOT, 'configs', 'dsa_from_dense.py')}:{ckpt}"])
     log, _ = p.communicate(timeout=600)
     assert p.returncode == 0, log[-3000:]
     assert "trains indexer" in log and "init_from " + ckpt in log
+    assert json.load(open(os.path.join(runs, "indexshare", "config.json")))["model"]["indexer_types"] == \
+        ["full"] * 3 + ["shared"] * 3 and os.path.exists(os.path.join(runs, "indexshare", "summary.json"))
     def flat(tree):  # (orbax restores list indices as strings)
         return {tuple(map(str, k)): np.asarray(v) for k, v in traverse_util.flatten_dict(tree).items()}
 
