@@ -144,6 +144,30 @@ def test_export_writes_deepseek_v32_that_transformers_loads_with_our_sparse_logi
     assert float(np.max(np.abs(logits - dense_logits(model, tokens)))) > 1e-3  # sparse really differs from dense
 
 
+def test_an_fp8_deepseek_v3_imports_dequantised_with_fresh_indexers(v3, tokens, tmp_path):
+    """DeepSeek-V3's release format (float8 e4m3 linears, [128,128] block scales): the import dequantises, adds the
+    fresh indexers and reproduces DeepseekV3ForCausalLM holding the hand-dequantised weights; export writes
+    deepseek_v32 without a quantization_config."""
+    from safetensors.torch import load_file
+    from test_interop import fp8_checkpoint, save_ckpt
+
+    hf_model, src = v3[True]
+    path, deq_path = str(tmp_path / "fp8"), str(tmp_path / "dequantised")
+    ref = fp8_checkpoint(src, path)
+    model, layout = load_hf(path, overrides={**INDEXER, "scan_layers": False})
+    assert sorted(layout.dequantized) == sorted(ref) and any(n.startswith("30 indexer tensors") for n in layout.notes)
+    tensors = {**load_file(os.path.join(src, "model.safetensors")), **{k: torch.from_numpy(v) for k, v in ref.items()}}
+    save_ckpt(deq_path, tensors, json.load(open(os.path.join(src, "config.json"))))
+    deq = transformers.DeepseekV3ForCausalLM.from_pretrained(deq_path, attn_implementation="eager").float().eval()
+    err = float(np.max(np.abs(dense_logits(model, tokens) - hf_logits(deq, tokens))))
+    assert err < 1e-4, err
+    assert float(np.max(np.abs(hf_logits(deq, tokens) - hf_logits(hf_model, tokens)))) > 1e-3  # FP8 really rounds
+    out = str(tmp_path / "dsv32")
+    save_hf(model, out, layout)
+    cfg = json.load(open(os.path.join(out, "config.json")))
+    assert cfg["model_type"] == "deepseek_v32" and "quantization_config" not in cfg
+
+
 @pytest.mark.slow
 def test_walkthrough_import_recipe_export_loads_in_transformers(v3, tokens, tmp_path):
     """The README walkthrough "From a dense MLA checkpoint to DSA", its three commands: `glmjax-hf import` of a

@@ -482,10 +482,10 @@ def test_fp8_dequantisation_hand_computed_case():
 FP8_SKIP = ("norm", "mlp.gate.weight", "weights_proj", "lm_head", "embed_tokens", "e_score_correction_bias")
 
 
-def test_fp8_block_scaled_checkpoint(ckpts, tmp_path):
-    """Every linear weight except the docs/model.md C.4 exceptions as float8 e4m3 + [128,128] block weight_scale_inv."""
+def fp8_checkpoint(src: str, path: str) -> dict:
+    """The checkpoint at src with every 2-D linear weight except the docs/model.md C.4 exceptions as float8 e4m3 +
+    [128,128] block weight_scale_inv, saved to path -> {key: the hand (block by block) dequantisation, f32}."""
     import ml_dtypes
-    src = ckpts["glm"][3]
     t = load_file(os.path.join(src, "model.safetensors"))
     out, ref = {}, {}
     for k, v in t.items():
@@ -513,8 +513,14 @@ def test_fp8_block_scaled_checkpoint(ckpts, tmp_path):
         config = json.load(f)
     config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                      "weight_block_size": [128, 128]}
-    path = str(tmp_path / "fp8")
     save_ckpt(path, out, config)
+    return ref
+
+
+def test_fp8_block_scaled_checkpoint(ckpts, tmp_path):
+    import ml_dtypes
+    path = str(tmp_path / "fp8")
+    ref = fp8_checkpoint(ckpts["glm"][3], path)
     model, layout = load_hf(path)
     assert sorted(layout.dequantized) == sorted(ref)
     exp = str(tmp_path / "exp")
