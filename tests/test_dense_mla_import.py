@@ -109,6 +109,22 @@ def test_the_import_decodes_as_transformers_prefills(family, tokens, request):
         np.testing.assert_allclose(np.asarray(logits), ref[:, t], atol=1e-4, err_msg=f"position {t}")
 
 
+def test_init_from_a_dense_hf_directory_equals_its_import(v3):
+    """train.init_from the transformers directory itself: the fresh indexers take the stage model's shape (not
+    DeepSeek-V3.2's default, which would not fit), and every tensor equals `glmjax-hf import`'s."""
+    from glmjax.train.init_from import init_model
+
+    _, path = v3[True]
+    ref, _ = load_hf(path, overrides=INDEXER)
+    model = GLM(ref.cfg, nnx.Rngs(1))
+    lines = init_model(model, path)
+    assert "fresh (not in the checkpoint): none" in lines and "dropped (not in this model): none" in lines, lines
+    got, want = (traverse_util.flatten_dict(nnx.state(m).to_pure_dict()) for m in (model, ref))
+    assert got.keys() == want.keys()
+    for k in want:
+        np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]), err_msg=str(k))
+
+
 def test_a_wrong_key_map_fails_the_parity_check(v3, tokens, monkeypatch):
     """Negative control: the dense MLP's gate_proj and up_proj swapped in the key map (same shapes, so the import
     itself succeeds) -> the logits are far from transformers'."""

@@ -3,6 +3,7 @@
 stages is `glmjax.train.stages.surgery`."""
 from __future__ import annotations
 
+import json
 import os
 
 from flax import nnx
@@ -25,12 +26,25 @@ def init_model(model: GLM, path: str) -> list[str]:
     elif os.path.exists(os.path.join(path, "model_config.json")) or os.path.exists(os.path.join(path, "config.json")):
         from glmjax.interop.hf import load_checkpoint, load_hf
 
-        src = load_checkpoint(path)[0] if os.path.exists(os.path.join(path, "model_config.json")) else load_hf(path)[0]
+        src = load_checkpoint(path)[0] if os.path.exists(os.path.join(path, "model_config.json")) else \
+            load_hf(path, overrides=fresh_indexer_shape(path, model.cfg))[0]
         state, src_cfg, where = nnx.state(src).to_pure_dict(), src.cfg, "imported weights"
     else:
         raise FileNotFoundError(f"init_from={path!r}: neither a stage workdir (checkpoints/), an imported "
                                 "checkpoint (model_config.json) nor a Hugging Face checkpoint (config.json)")
     return [where] + surgery(model, state, src_cfg)
+
+
+def fresh_indexer_shape(hf_dir: str, cfg: ModelConfig) -> dict | None:
+    """A dense MLA checkpoint (keymap.DENSE_MLA: no indexer in it) gets fresh indexers of this model's shape, not
+    DeepSeek-V3.2's default: -> the overrides for load_hf (None for a checkpoint with indexers)."""
+    from glmjax.interop import keymap
+
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        model_type = json.load(f).get("model_type")
+    if model_type not in keymap.DENSE_MLA:
+        return None
+    return {k: getattr(cfg, k) for k in ("index_n_heads", "index_head_dim", "index_topk")}
 
 
 def checkpoint_loader(cfg: ModelConfig):
