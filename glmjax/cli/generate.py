@@ -7,7 +7,9 @@
 written by `glmjax-hf import` (or a PPO run's policy/), or a Hugging Face checkpoint (config.json + safetensors). The prompt is encoded with BOS and without EOS; with --chat it is
 one user message rendered by the tokenizer's chat template with add_generation_prompt=True (no BOS added: the
 template writes its own). Generation stops at the tokenizer's EOS or after --max-new-tokens; the decoded answer is
-printed. Temperature 0 is greedy. Errors end in one line on stderr and exit status 2.
+printed. Temperature 0 is greedy. --speculative D (greedy only) drafts D tokens per step with the model's MTP layer
+and verifies them in one pass of the main model: the same tokens, fewer passes. Errors end in one line on stderr and
+exit status 2.
 """
 from __future__ import annotations
 
@@ -61,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokenizer", default="byte", help="'byte' or 'hf:DIR' (a tokenizer.json directory)")
     ap.add_argument("--chat", action="store_true", help="render the prompt as one user message (chat template)")
     ap.add_argument("--mode", default="sparse", choices=("sparse", "dense"), help="attention of the decoder")
+    ap.add_argument("--speculative", type=int, default=0, metavar="D",
+                    help="draft D tokens per step with the model's MTP layer, verified in one pass (greedy only: the "
+                    "output equals plain greedy decoding's); 0 = off")
     ap.add_argument("--ids", action="store_true", help="also print the generated token ids (a JSON list)")
     ap.add_argument("--compilation-cache", default=None, help="JAX's persistent compilation cache (default: "
                     "~/.cache/glmjax/jax_cache, see glmjax/cli/runtime.py); empty = off")
@@ -72,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         model = load_model(args.checkpoint)
         out = generate(Decoder(model, args.mode), [ids], args.max_new_tokens, key=jax.random.key(args.seed),
                        temperature=args.temperature, top_p=args.top_p, stop_tokens=[tokenizer.eos_id],
-                       pad_id=tokenizer.pad_id)
+                       pad_id=tokenizer.pad_id, speculative=args.speculative)
         answer = out.tokens[0, :out.lengths[0]]
         known = answer[answer < tokenizer.vocab_size]
         if len(known) < len(answer):

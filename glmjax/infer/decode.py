@@ -76,13 +76,19 @@ def forward_cached(model: GLM, tokens, start, caches, mode: str):
     slots = start[:, None] + (jnp.arange(S, dtype=jnp.int32)[None] if layout is None else layout.slots((B, S)))
     if layout is not None:  # each context shard takes its S/N tokens of every row
         tokens = constrain(layout.to_layout(tokens), ("batch", "sequence"))
-    cos, sin = rope_tables(slots, model.cfg)
-    kv_valid = (jnp.arange(T)[None, :] < (start + S)[:, None]).astype(jnp.int32)
-    ctx = Ctx(cos, sin, jnp.ones((B, S), jnp.int32), mode, q_idx=slots, kv_valid=kv_valid,
-              layout=None if layout is None else context.Layout("contiguous", n),
-              cache_write=None if n == 1 else write_on_context)
+    ctx = cache_ctx(model.cfg, start, slots, T, mode, layout=None if layout is None else context.Layout("contiguous", n),
+                    cache_write=None if n == 1 else write_on_context)
     h, _, caches = model.trunk(tokens, ctx, caches)
     return (h if layout is None else layout.to_natural(h)), caches
+
+
+def cache_ctx(cfg, start, slots, T: int, mode: str, **kw) -> Ctx:
+    """The Ctx of a forward against a cache of T slots: this step's S new rows at slots [B,S] (start[b] ..
+    start[b]+S-1 in any order; RoPE position = slot), every slot from start + S on invisible."""
+    B, S = slots.shape
+    cos, sin = rope_tables(slots, cfg)
+    kv_valid = (jnp.arange(T)[None, :] < (start + S)[:, None]).astype(jnp.int32)
+    return Ctx(cos, sin, jnp.ones((B, S), jnp.int32), mode, q_idx=slots, kv_valid=kv_valid, **kw)
 
 
 def constrain(x, axes):
@@ -132,7 +138,7 @@ class Decoder:
                  compiler_options: dict | None = None):
         if mode not in ("dense", "sparse"):
             raise ValueError(f"mode={mode!r}: must be 'dense' or 'sparse'")
-        self.model, self.mode, self.mesh = model, mode, mesh
+        self.model, self.mode, self.mesh, self.compiler_options = model, mode, mesh, compiler_options
         self.graphdef, self.state = nnx.split(model)
         self.context = 1 if mesh is None else context.context_size(mesh)
         wrap = (lambda f: f) if mesh is None else functools.partial(with_mesh, mesh=mesh)

@@ -204,15 +204,15 @@ class MTP(nnx.Module):
         self.layer = DecoderLayer(cfg, moe=True, has_indexer=True, rngs=rngs)
         self.shared_head_norm = RMSNorm(D, cfg.rms_norm_eps, cfg)
 
-    def __call__(self, emb, h_prev, ctx: Ctx, dtype):
+    def __call__(self, emb, h_prev, ctx: Ctx, dtype, cache=None):
         """emb = Embed[t_{i+k}] [B,S,D], h_prev = post-norm hidden of depth k-1 -> post-norm hidden of depth k, the
-        layer's Aux entries (no layer axis)."""
+        layer's Aux entries (no layer axis), cache (the layer's own, as MLA's; None without one: training)."""
         u = jnp.concatenate([self.enorm(emb), self.hnorm(h_prev)], axis=-1)  # embedding first, hidden second
         u = dense(u, self.eh_proj[...], "bsd,de->bse", dtype)
         topk0 = jnp.full(u.shape[:2] + (0,), -1, jnp.int32)
-        h, _, stats, moe, _ = self.layer(u, topk0, ctx)
+        h, _, stats, moe, cache = self.layer(u, topk0, ctx, cache)
         kl = unit_index_loss([stats], ctx) if ctx.index_loss else ()
-        return self.shared_head_norm(h), layer_aux(stats, moe, *kl)
+        return self.shared_head_norm(h), layer_aux(stats, moe, *kl), cache
 
 
 class Batch(NamedTuple):
@@ -324,7 +324,7 @@ class GLM(nnx.Module):
         def depth(h_prev, xs):
             tok, tgt, ok = xs
             emb = on_batch_layout(self.embed_tokens[...][on_batch_layout(tok)].astype(dt))
-            hk, aux = self.mtp(emb, h_prev, ctx, dt)
+            hk, aux, _ = self.mtp(emb, h_prev, ctx, dt)
             nll = token_nll(hk, self.lm_head[...], tgt, cfg.loss_chunk)
             return hk, (jnp.sum(nll * ok) / jnp.maximum(jnp.sum(ok), 1.0), aux)
 
