@@ -1,4 +1,4 @@
-"""Greedy speculative decoding with GLM-5's shared MTP layer as the draft (docs/inference.md "Speculative decoding").
+"""Greedy speculative decoding with GLM-5's shared MTP layer as the draft (docs/model.md D.4).
 
 The MTP layer keeps its own cache (latent rows and indexer keys, one row per slot, like a trunk layer's). Its row
 at slot j is computed from the training input of depth 1 (docs/model.md B.11): the embedding of the token at slot
