@@ -80,6 +80,25 @@ def test_generate_matches_generate_called_directly(tmp_path, capsys, tok):
     assert "\n".join(text_lines) == tokenizer.decode(np.array(want))
 
 
+def test_generate_speculative_prints_plain_greedy(tmp_path, capsys):
+    """--speculative 2 drafts with the model's MTP layer: the same ids as plain greedy decoding; a model without an
+    MTP layer is refused in one line."""
+    model = GLM(tiny(vocab_size=259), nnx.Rngs(4))
+    ckpt = imported_checkpoint(model, str(tmp_path / "ck"))
+    tokenizer = ByteTokenizer()
+    ids = tokenizer.encode("The sparse indexer", eos=False).tolist()
+    ref = generate(Decoder(model), [ids], 8, key=jax.random.key(0), stop_tokens=[tokenizer.eos_id],
+                   pad_id=tokenizer.pad_id)
+    argv = ["--checkpoint", ckpt, "--prompt", "The sparse indexer", "--max-new-tokens", "8", "--ids"]
+    _, got = run_cli(argv + ["--speculative", "2"], capsys)
+    assert got == ref.tokens[0, :ref.lengths[0]].tolist()
+    plain = imported_checkpoint(GLM(tiny(vocab_size=259, num_nextn_predict_layers=0), nnx.Rngs(4)),
+                                str(tmp_path / "plain"))
+    assert gen_cli.main(["--checkpoint", plain, "--prompt", "x", "--speculative", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "drafts with the MTP layer, and this model has none" in err
+
+
 def test_generate_errors_in_one_line(tmp_path, capsys):
     assert gen_cli.main(["--checkpoint", str(tmp_path), "--prompt", "x"]) == 2
     err = capsys.readouterr().err.strip()
