@@ -266,19 +266,24 @@ def test_deepseek_v2_router_choices_matter(v2, tokens):
         assert err > 1e-3, (wrong, err)
 
 
-def test_deepseek_v2_has_no_dsa_format_export_says_so_in_one_line(v2, tmp_path, capsys):
-    from glmjax.config import ConfigError, ModelConfig
+def assert_export_refused(src, tmp_path, capsys, reason: str):
+    """`glmjax-hf import` of src, then `glmjax-hf export`: exit 2 with one line naming the reason, no tensor written."""
     from glmjax.interop.hf import main as hf
 
-    _, path = v2["greedy"]
     ckpt = str(tmp_path / "ckpt")
     sets = [a for kv in ("index_n_heads=32", "index_head_dim=32", "index_topk=8") for a in ("--set", kv)]
-    assert hf(["import", path, ckpt, *sets, "--compilation-cache", ""]) == 0
+    assert hf(["import", src, ckpt, *sets, "--compilation-cache", ""]) == 0
     capsys.readouterr()
     assert hf(["export", ckpt, str(tmp_path / "out"), "--compilation-cache", ""]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(err) == 1 and "no DSA format in transformers has its router" in err[0], err
+    assert len(err) == 1 and reason in err[0], err
     assert not any(f.endswith(".safetensors") for f in os.listdir(tmp_path / "out"))
+
+
+def test_deepseek_v2_has_no_dsa_format_export_says_so_in_one_line(v2, tmp_path, capsys):
+    from glmjax.config import ConfigError, ModelConfig
+
+    assert_export_refused(v2["greedy"][1], tmp_path, capsys, "no DSA format in transformers has its router")
     with pytest.raises(ConfigError, match="topk_method='noaux_tc': must be one of"):
         ModelConfig.from_dict({"scoring_func": "softmax", "topk_method": "noaux_tc"})
 
@@ -330,17 +335,9 @@ def test_mla_without_a_query_lora_has_no_dsa_format_export_says_so_in_one_line(l
     in one line (exit 2, no tensor written), and a DSA config.json with q_lora_rank null is refused."""
     from glmjax.config import ConfigError
     from glmjax.interop import config_from_hf
-    from glmjax.interop.hf import main as hf
 
     _, path = lite["v3"]
-    ckpt = str(tmp_path / "ckpt")
-    sets = [a for kv in ("index_n_heads=32", "index_head_dim=32", "index_topk=8") for a in ("--set", kv)]
-    assert hf(["import", path, ckpt, *sets, "--compilation-cache", ""]) == 0
-    capsys.readouterr()
-    assert hf(["export", ckpt, str(tmp_path / "out"), "--compilation-cache", ""]) == 2
-    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(err) == 1 and "without a query LoRA" in err[0], err
-    assert not any(f.endswith(".safetensors") for f in os.listdir(tmp_path / "out"))
+    assert_export_refused(path, tmp_path, capsys, "without a query LoRA")
     dsa = {**json.load(open(os.path.join(path, "config.json"))), "model_type": "deepseek_v32"}
     with pytest.raises(ConfigError, match="q_lora_rank=None: deepseek_v32 needs a query LoRA"):
         config_from_hf(dsa)
