@@ -67,7 +67,7 @@ def first_round(dec, d: int, rows: int = 32, seed: int = 0) -> float:
     lengths = np.random.default_rng(seed).integers(16, 121, rows).astype(np.int32)
     spec = speculator(dec, d)
     caches, mtp = spec.init_cache(rows, 128 + d + 1)
-    _, r, caches, mtp = spec.prefill(dec.state, jnp.asarray(text[:, :120]), jnp.asarray(lengths), caches, mtp)
+    _, _, r, caches, mtp = spec.prefill(dec.state, jnp.asarray(text[:, :120]), jnp.asarray(lengths), caches, mtp)
     acc = spec.round(dec.state, r, caches, mtp)[2]
     return float(np.mean(np.asarray(acc) + 1))
 
@@ -133,7 +133,7 @@ def main():
                 spec = speculator(dec, d)
                 _, _, T_d = prompt_batch(dec, ps, args.new_tokens, 0, None, extra=d)
                 caches, mtp = spec.init_cache(B, T_d)
-                _, r, _, _ = spec.prefill(dec.state, jnp.asarray(tokens), jnp.asarray(lengths), *spec.init_cache(B, T_d))
+                r = spec.prefill(dec.state, jnp.asarray(tokens), jnp.asarray(lengths), *spec.init_cache(B, T_d))[2]
                 round_temp = temp_bytes(spec.round, dec.state, r, caches, mtp)
                 extra = (f"caches +{(cache_bytes(caches) + cache_bytes(mtp) - main_cache) / 2 ** 10:.0f} KiB "
                          f"(of {main_cache / 2 ** 10:.0f}); temporaries {round_temp / 2 ** 10:.0f} vs "

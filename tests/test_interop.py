@@ -307,7 +307,7 @@ def test_mtp_layer_matches_transformers_pieces(ckpts, tokens):
     @nnx.jit
     def run(m, b, nxt):
         h, _ = m(b, "sparse")
-        hk, _ = m.mtp(m.embed_tokens[...][nxt], h, m.ctx(b, "sparse"), jnp.float32)
+        hk, _, _ = m.mtp(m.embed_tokens[...][nxt], h, m.ctx(b, "sparse"), jnp.float32)
         return m.logits(hk)
 
     out = np.asarray(run(model, batch_of(tokens), jnp.asarray(nxt)))

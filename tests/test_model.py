@@ -131,7 +131,7 @@ def test_mtp_loss_against_a_naive_loop_over_depths(model, mode):
         shifted = np.zeros_like(tok)
         shifted[:, :S - k] = tok[:, k:]
         emb = model.embed_tokens[...][jnp.asarray(shifted)]
-        h_prev, _ = model.mtp(emb, h_prev, ctx, jnp.float32)
+        h_prev, _, _ = model.mtp(emb, h_prev, ctx, jnp.float32)
         ces.append(naive_ce(h_prev, k + 1))
     want = lm + cfg.mtp_loss_weight / cfg.mtp_depth * sum(ces)
     np.testing.assert_allclose(float(metrics["lm_loss"]), lm, rtol=1e-5)

@@ -139,6 +139,7 @@ class Decoder:
         if mode not in ("dense", "sparse"):
             raise ValueError(f"mode={mode!r}: must be 'dense' or 'sparse'")
         self.model, self.mode, self.mesh, self.compiler_options = model, mode, mesh, compiler_options
+        self.speculators = {}  # depth -> its SpeculativeDecoder (glmjax/infer/generate.py `speculator`)
         self.graphdef, self.state = nnx.split(model)
         self.context = 1 if mesh is None else context.context_size(mesh)
         wrap = (lambda f: f) if mesh is None else functools.partial(with_mesh, mesh=mesh)

@@ -2,7 +2,6 @@
 `speculative=d`, greedy speculative decoding drafted by the MTP layer (glmjax/infer/speculative.py)."""
 from __future__ import annotations
 
-import weakref
 from typing import NamedTuple, Sequence
 
 import jax
@@ -10,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from glmjax.infer.decode import Decoder, sample
-from glmjax.infer.speculative import SpeculativeDecoder
+from glmjax.infer.speculative import SpeculativeDecoder, validate_depth
 
 
 class Generation(NamedTuple):
@@ -20,15 +19,12 @@ class Generation(NamedTuple):
     steps: np.ndarray | None = None  # [B] main-model passes after the prefill that produced the row's tokens
 
 
-_SPECULATORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Decoder -> {depth: SpeculativeDecoder}
-
-
 def speculator(decoder: Decoder, depth: int) -> SpeculativeDecoder:
-    """The decoder's SpeculativeDecoder of `depth` drafts, built once (its jitted programs are reused)."""
-    per = _SPECULATORS.setdefault(decoder, {})
-    if depth not in per:
-        per[depth] = SpeculativeDecoder(decoder, depth)
-    return per[depth]
+    """The decoder's SpeculativeDecoder of `depth` drafts, built once (its jitted programs are reused), kept in
+    `decoder.speculators`."""
+    if validate_depth(depth) not in decoder.speculators:
+        decoder.speculators[depth] = SpeculativeDecoder(decoder, depth)
+    return decoder.speculators[depth]
 
 
 def generate(decoder: Decoder, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, key: jax.Array,
@@ -48,10 +44,9 @@ def generate(decoder: Decoder, prompts: Sequence[Sequence[int]], max_new_tokens:
     out = Output(len(prompts), max_new_tokens, stop_tokens, pad_id)
     if spec is not None:
         caches, mtp_cache = spec.init_cache(len(prompts), max_len)
-        logits, r, caches, mtp_cache = spec.prefill(decoder.state, jnp.asarray(tokens), jnp.asarray(lengths), caches,
-                                                    mtp_cache)
-        out.add(np.asarray(r.x0)[:, None], np.asarray(jax.nn.log_softmax(logits))[np.arange(len(prompts)),
-                                                                                   np.asarray(r.x0)][:, None])
+        x0, logp, r, caches, mtp_cache = spec.prefill(decoder.state, jnp.asarray(tokens), jnp.asarray(lengths),
+                                                      caches, mtp_cache)
+        out.add(np.asarray(x0)[:, None], np.asarray(logp)[:, None])
         while not out.done.all():
             emitted, logp, acc, r, caches, mtp_cache = spec.round(decoder.state, r, caches, mtp_cache)
             out.add(np.asarray(emitted), np.asarray(logp), np.asarray(acc) + 1)

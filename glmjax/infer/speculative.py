@@ -16,7 +16,11 @@ program whatever the rows accept:
 4. Roll back. The next round starts at L' = L + acc + 1 (`next_start`): the rows this verify wrote for rejected
    drafts (slots L'..L+d, latent and indexer key) and the MTP rows of draft steps 2..d (slots L..L+d-2) lie at or
    past the next round's writes (d+1 verify rows from L', d+1 MTP rows from L), which overwrite them before any
-   query reads them; `kv_valid` hides every slot past the write in progress.
+   query reads them: a query sees only slots up to its own (the causal mask), and those the step has just written.
+
+Equal to plain greedy decoding up to floating-point rounding: a verify pass of d+1 tokens and a decode step of one
+compute the same logits through different shapes (and, past `mla.materialise`, possibly a different attention path),
+so a near-tie of two logits could in principle resolve differently; in f32 the tests see identical tokens.
 """
 from __future__ import annotations
 
@@ -32,12 +36,14 @@ from glmjax.model.layers import dtype_of
 
 
 class Round(NamedTuple):
-    """What a round needs from the one before (device arrays): the MTP pass's d+1 rows at slots c0..c0+d."""
-    x0: jax.Array  # [B] the last emitted token (not yet in the main cache: it goes in at slot c0 + a + 1)
-    tokens: jax.Array  # [B,d+1] row j embeds the token at slot c0+j+1 (rows past `a`: unused)
+    """What a round needs from the one before (device arrays): the MTP pass's d+1 rows at slots c0..c0+d and where
+    the verify starts."""
+    tokens: jax.Array  # [B,d+1] row j embeds the token at slot c0+j+1; tokens[:, a] = x0, the last emitted token
+    # (rows past `a` are junk: written into the MTP cache, redone by the next round)
     hidden: jax.Array  # [B,d+1,D] the main model's post-norm hidden at slots c0..c0+d
     c0: jax.Array  # [B] int32
     a: jax.Array  # [B] int32 the row that drafts y_1 (the last accepted)
+    start: jax.Array  # [B] int32 the verify's first slot (x0's): c0 + a + 1 after the rollback
 
 
 def init_mtp_cache(model: GLM, batch_size: int, max_len: int) -> dict:
@@ -74,6 +80,12 @@ def next_start(start, acc):
     return start + acc + 1
 
 
+def validate_depth(depth) -> int:
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+        raise ValueError(f"speculative={depth!r}: the number of drafted tokens per round must be an integer >= 1")
+    return depth
+
+
 class SpeculativeDecoder:
     """Jitted prefill and speculative rounds of `depth` drafts for one Decoder's model (its mode; one device).
     Shapes are fixed per (batch, capacity): one compilation serves every round and every acceptance pattern."""
@@ -83,8 +95,7 @@ class SpeculativeDecoder:
         if model.mtp is None:
             raise ValueError("speculative decoding drafts with the MTP layer, and this model has none "
                              "(model.num_nextn_predict_layers=0)")
-        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
-            raise ValueError(f"speculative={depth!r}: the number of drafted tokens per round must be an integer >= 1")
+        validate_depth(depth)
         if decoder.mesh is not None:
             raise ValueError("speculative decoding runs on one device for now (Decoder(mesh=None))")
         self.decoder, self.depth, self.mode = decoder, depth, decoder.mode
@@ -96,8 +107,8 @@ class SpeculativeDecoder:
         return self.decoder.init_cache(batch_size, max_len), init_mtp_cache(self.decoder.model, batch_size, max_len)
 
     def _prefill(self, state, tokens, lengths, caches, mtp_cache):
-        """Right-padded prompts tokens [B,P], lengths [B] -> (logits of each row's last prompt token [B,V], the first
-        Round, caches, mtp_cache): the main model's prefill, then the MTP rows of the prompt's slots."""
+        """Right-padded prompts tokens [B,P], lengths [B] -> (x0: the greedy token after each prompt [B], its log-prob
+        [B], the first Round, caches, mtp_cache): the main model's prefill, then the MTP rows of the prompt's slots."""
         model = nnx.merge(self.decoder.graphdef, state)
         B, d = tokens.shape[0], self.depth
         zeros = jnp.zeros((B,), jnp.int32)
@@ -106,18 +117,21 @@ class SpeculativeDecoder:
         logits, x0 = greedy(model, last)
         nxt = jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)))  # slot j's row embeds the token at j+1 (the last: redone)
         _, mtp_cache = mtp_cached(model, nxt, h, zeros, mtp_cache, self.mode)
-        first = Round(x0, jnp.zeros((B, d + 1), jnp.int32).at[:, 0].set(x0),
-                      jnp.zeros((B, d + 1) + h.shape[2:], h.dtype).at[:, 0].set(last), lengths - 1, zeros)
-        return logits, first, caches, mtp_cache
+        first = Round(jnp.zeros((B, d + 1), jnp.int32).at[:, 0].set(x0),
+                      jnp.zeros((B, d + 1) + h.shape[2:], h.dtype).at[:, 0].set(last), lengths - 1, zeros, lengths)
+        logp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), x0[:, None], axis=-1)[:, 0]
+        return x0, logp, first, caches, mtp_cache
 
     def _round(self, state, r: Round, caches, mtp_cache):
         """One draft-verify-accept round (module doc) -> (emitted [B,d+1] (the first acc+1 count), their log-probs
         [B,d+1] under the main model, acc [B], the next Round, caches, mtp_cache)."""
         model = nnx.merge(self.decoder.graphdef, state)
-        d = self.depth
+        d, T = self.depth, mtp_cache["latent"].shape[1]
         g, mtp_cache = mtp_cached(model, r.tokens, r.hidden, r.c0, mtp_cache, self.mode)
         h = jnp.take_along_axis(g, r.a[:, None, None], axis=1)[:, 0]
-        start = next_start(r.c0, r.a)
+        x0 = jnp.take_along_axis(r.tokens, r.a[:, None], axis=1)[:, 0]
+        start = jnp.minimum(r.start, T - d - 1)  # a live row never gets there (generate's capacity); a finished one
+        # may run on, and stays inside the cache
         _, y = greedy(model, h)
         drafts = [y]
         for k in range(d - 1):  # draft y_{k+2} at slot start + k
@@ -126,7 +140,7 @@ class SpeculativeDecoder:
             _, y = greedy(model, h)
             drafts.append(y)
         drafts = jnp.stack(drafts, axis=1)  # [B,d]
-        hidden, caches = forward_cached(model, jnp.concatenate([r.x0[:, None], drafts], axis=1), start, caches,
+        hidden, caches = forward_cached(model, jnp.concatenate([x0[:, None], drafts], axis=1), start, caches,
                                         self.mode)
         logits, verified = greedy(model, hidden)  # [B,d+1]
         acc = accepted(drafts, verified)
@@ -134,4 +148,4 @@ class SpeculativeDecoder:
         j = jnp.arange(d + 1)[None]
         emitted = jnp.where(j < acc[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), bonus)
         logp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), emitted[..., None], axis=-1)[..., 0]
-        return emitted, logp, acc, Round(bonus[:, 0], emitted, hidden, start, acc), caches, mtp_cache
+        return emitted, logp, acc, Round(emitted, hidden, start, acc, next_start(start, acc)), caches, mtp_cache
