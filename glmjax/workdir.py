@@ -9,10 +9,12 @@ a nested dict of arrays, "meta" holds the step, the stage and the model config.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import warnings
 import zlib
 
+import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
@@ -101,12 +103,40 @@ def short_error(e: Exception) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
 
 
-def load_model_state(workdir: str) -> tuple[dict, dict, int]:
+def on_first_device(abstract):
+    """A tree of jax.ShapeDtypeStruct (e.g. an abstract nnx.State) placed on the first local device: an orbax restore
+    target that any saved topology restores into."""
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract)
+
+
+def restore_target(item_dir: str, sharding=None):
+    """What a saved tree of arrays (an orbax item: a checkpoint's "model", an import's "state") restores into: a
+    nested dict of jax.ShapeDtypeStruct with its shapes and dtypes (orbax's metadata; no array is read), placed by
+    `sharding`: None -> the first local device, whatever mesh wrote it (a pod run sampled or exported on a laptop);
+    else a callable (key path as a tuple of str, shape) -> jax.sharding.Sharding (e.g. a training mesh's)."""
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.ERROR)  # orbax warns that an item has no _CHECKPOINT_METADATA of its own
+    try:
+        with ocp.StandardCheckpointer() as ck:
+            tree = ck.metadata(os.path.abspath(item_dir)).item_metadata.tree
+    finally:
+        absl.setLevel(level)
+    if sharding is None:
+        return on_first_device(tree)
+    return jax.tree_util.tree_map_with_path(lambda path, m: jax.ShapeDtypeStruct(
+        m.shape, m.dtype, sharding=sharding(tuple(str(getattr(k, "key", k)) for k in path), m.shape)), tree)
+
+
+def load_model_state(workdir: str, sharding=None) -> tuple[dict, dict, int]:
     """The model state (nested dict of arrays) and meta of the newest intact checkpoint of a finished or running
-    stage, for initialising the next stage. -> (state, meta, step). Damaged steps are skipped (not moved)."""
+    stage, for initialising the next stage. -> (state, meta, step). Damaged steps are skipped (not moved). The
+    arrays go where `sharding` says (`restore_target`: by default the first local device), so a checkpoint written
+    on any mesh restores on any other."""
     directory = os.path.join(os.path.abspath(workdir), "checkpoints")
     if not os.path.isdir(directory):
-        raise FileNotFoundError(f"init_from={workdir!r}: no checkpoints directory {directory}")
+        raise FileNotFoundError(f"{workdir}: no checkpoints directory {directory}")
     manager = ocp.CheckpointManager(directory, item_names=("model", "meta"))
     problems = []
     try:
@@ -114,7 +144,8 @@ def load_model_state(workdir: str) -> tuple[dict, dict, int]:
             problem = verify_manifest(os.path.join(directory, str(step)))
             if problem in (None, "unsealed"):
                 try:
-                    r = manager.restore(step, args=ocp.args.Composite(model=ocp.args.StandardRestore(),
+                    target = restore_target(os.path.join(directory, str(step), "model"), sharding)
+                    r = manager.restore(step, args=ocp.args.Composite(model=ocp.args.StandardRestore(target),
                                                                       meta=ocp.args.JsonRestore()))
                     return r.model, r.meta, step
                 except Exception as e:  # noqa: BLE001
@@ -123,7 +154,7 @@ def load_model_state(workdir: str) -> tuple[dict, dict, int]:
             problems.append(f"step {step}: {problem}")
     finally:
         manager.close()
-    raise FileNotFoundError(f"init_from={workdir!r}: no intact checkpoint in {directory}"
+    raise FileNotFoundError(f"{workdir}: no intact checkpoint in {directory}"
                             + (f" ({'; '.join(problems)})" if problems else ""))
 
 

@@ -47,7 +47,7 @@ from glmjax.interop.keymap import Spec, config_from_hf, config_to_hf, plan_keys,
 from glmjax.interop.safetensors_io import DTYPES, Reader, TensorInfo, read_header, write_file
 from glmjax.model import GLM
 from glmjax.parallel.rules import logical_sharding  # noqa: F401  (re-exported: `sharding=` for load_hf)
-from glmjax.workdir import workdir_model
+from glmjax.workdir import on_first_device, workdir_model
 
 log = logging.getLogger("glmjax.interop")
 
@@ -683,10 +683,9 @@ def load_checkpoint(ckpt_dir: str) -> tuple[GLM, HFLayout | None]:
 
     with open(os.path.join(ckpt_dir, "model_config.json")) as f:
         cfg = ModelConfig.from_dict(json.load(f))
-    abstract = nnx.eval_shape(lambda: GLM(cfg, nnx.Rngs(0)))
-    graphdef, abs_state = nnx.split(abstract)
-    with ocp.StandardCheckpointer() as ck:
-        state = ck.restore(os.path.abspath(os.path.join(ckpt_dir, "state")), abs_state)
+    graphdef, abs_state = nnx.split(nnx.eval_shape(lambda: GLM(cfg, nnx.Rngs(0))))
+    with ocp.StandardCheckpointer() as ck:  # on the first local device, whatever mesh wrote it
+        state = ck.restore(os.path.abspath(os.path.join(ckpt_dir, "state")), on_first_device(abs_state))
     model = nnx.merge(graphdef, state)
     layout = None
     lpath = os.path.join(ckpt_dir, "hf_layout.json")

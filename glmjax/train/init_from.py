@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 import os
 
-from flax import nnx
+from flax import nnx, traverse_util
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from glmjax.config import ModelConfig
 from glmjax.model.transformer import GLM
@@ -20,7 +21,7 @@ def init_model(model: GLM, path: str) -> list[str]:
     """Initialise `model` in place from `path`: a stage workdir (orbax checkpoints/), a directory written by
     `python -m glmjax.interop.hf import`, or a Hugging Face safetensors checkpoint. -> log lines."""
     if os.path.isdir(os.path.join(path, "checkpoints")):
-        state, meta, step = load_model_state(path)
+        state, meta, step = load_model_state(path, sharding=placed_like(model))
         src_cfg = ModelConfig.from_dict(meta["model"])
         where = f"stage {meta.get('stage')} step {step}"
     elif os.path.exists(os.path.join(path, "model_config.json")) or os.path.exists(os.path.join(path, "config.json")):
@@ -33,6 +34,21 @@ def init_model(model: GLM, path: str) -> list[str]:
         raise FileNotFoundError(f"init_from={path!r}: neither a stage workdir (checkpoints/), an imported "
                                 "checkpoint (model_config.json) nor a Hugging Face checkpoint (config.json)")
     return [where] + surgery(model, state, src_cfg)
+
+
+def placed_like(model: GLM):
+    """A `restore_target` sharding rule for a checkpoint that initialises `model` (of any mesh, any device count):
+    a tensor at a path of the model with the same shape goes where the model's does (its mesh, its rule), any other
+    (one surgery reshapes or drops) replicated on the model's mesh."""
+    leaves = {tuple(map(str, k)): x for k, x in traverse_util.flatten_dict(nnx.state(model).to_pure_dict()).items()}
+    first = next(iter(leaves.values())).sharding
+    other = NamedSharding(first.mesh, P()) if isinstance(first, NamedSharding) else first
+
+    def rule(path, shape):
+        x = leaves.get(path)
+        return x.sharding if x is not None and tuple(x.shape) == tuple(shape) else other
+
+    return rule
 
 
 def fresh_indexer_shape(hf_dir: str, cfg: ModelConfig) -> dict | None:
