@@ -28,6 +28,20 @@ def files(workdir):
     return out
 
 
+def stopped(pid, timeout=60):
+    """Wait until every thread of pid is stopped (SIGSTOP is delivered asynchronously: a checkpoint thread may still
+    be writing when send_signal returns)."""
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        tasks = os.listdir(f"/proc/{pid}/task")
+        states = [open(f"/proc/{pid}/task/{t}/stat").read().rsplit(")", 1)[1].split()[0] for t in tasks]
+        if all(st in "tT" for st in states):
+            time.sleep(0.2)  # and what the kernel still had queued for its files
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} did not stop")
+
+
 def one_line(out, *words):
     lines = [ln for ln in out.splitlines() if ln.strip() and "TPU" not in ln and "libtpu" not in ln
              and "Source Location" not in ln and not ln.startswith("===") and "InitGoogle" not in ln]
@@ -43,6 +57,7 @@ def test_a_busy_workdir_is_refused_and_a_killed_holder_is_taken_over(tmp_path):
     while not intact_steps(os.path.join(workdir, "checkpoints")) and time.time() - t0 < 300:
         time.sleep(0.05)  # a sealed checkpoint to resume from
     first.send_signal(signal.SIGSTOP)  # the holder stays alive while the second run tries
+    stopped(first.pid)
     try:
         holder = json.load(open(os.path.join(workdir, LOCK)))
         assert holder["pid"] == first.pid and {"host", "since"} <= set(holder)
