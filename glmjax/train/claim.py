@@ -123,16 +123,19 @@ def _take(workdir: str, me: dict) -> str | None:
     return f"workdir {workdir}: could not take its lock {path} (other runs keep racing for it)"
 
 
-def _refusal(workdir: str, me: dict) -> str | None:
+def _refusal(workdir: str, me: dict) -> ConfigError | None:
+    """Take the workdir for `me` -> None, or the error that refuses this run."""
     if not is_glmjax_workdir(workdir):
         names = sorted(os.listdir(workdir))
-        return (f"workdir {workdir} holds files glmjax did not write ({', '.join(names[:3])}"
-                f"{', ...' if len(names) > 3 else ''}): use an empty or new --workdir (nothing in it was touched)")
+        return ForeignWorkdir(f"workdir {workdir} holds files glmjax did not write ({', '.join(names[:3])}"
+                              f"{', ...' if len(names) > 3 else ''}): use an empty or new --workdir (nothing in it "
+                              "was touched)")
     try:
         os.makedirs(workdir, exist_ok=True)
     except OSError as e:
-        return f"workdir={workdir!r}: cannot be used as the output directory ({e.strerror or e})"
-    return _take(workdir, me)
+        return WorkdirBusy(f"workdir={workdir!r}: cannot be used as the output directory ({e.strerror or e})")
+    busy = _take(workdir, me)
+    return None if busy is None else WorkdirBusy(busy)
 
 
 @contextlib.contextmanager
@@ -146,9 +149,10 @@ def claim(workdir: str):
         from jax.experimental import multihost_utils
 
         refused = bool(multihost_utils.broadcast_one_to_all(np.int32(refusal is not None)))
-        refusal = refusal or ("workdir refused by process 0 (its message names why)" if refused else None)
+        if refused and refusal is None:
+            refusal = WorkdirBusy(f"workdir {workdir}: refused by process 0 (its message says why)")
     if refusal is not None:
-        raise (ForeignWorkdir if "did not write" in refusal else WorkdirBusy)(refusal)
+        raise refusal
     if not lead:
         yield
         return
