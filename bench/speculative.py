@@ -36,7 +36,8 @@ def train(workdir: str, steps: int) -> float:
     if os.path.exists(os.path.join(workdir, "summary.json")):
         return 0.0
     t0 = time.time()
-    subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--config=" + os.path.join(ROOT, "configs", "tiny.py"),
+    config = os.path.join(ROOT, "configs", "tiny.py")
+    subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), f"--config={config}",
                     f"--workdir={workdir}", f"--config.train.steps={steps}", "--config.train.eval_every=0"],
                    check=True, cwd=ROOT)
     return time.time() - t0
@@ -146,7 +147,8 @@ def main():
           f"{args.new_tokens} new tokens per row, sparse attention, greedy; median of {args.repeats}")
     print(f"load average {load0:.2f} before, {os.getloadavg()[0]:.2f} after; measuring: {time.time() - wall0:.0f} s "
           f"wall, {cpu:.0f} s CPU")
-    print("| batch | d | tokens per verify | first round after held-out text | decode tokens/s | vs plain | extra memory |")
+    print("| batch | d | tokens per verify | first round after held-out text | decode tokens/s | vs plain "
+          "| extra memory |")
     print("|---:|---:|---:|---:|---:|---:|---|")
     for B, d, pv, real, ts, ratio, extra in rows:
         print(f"| {B} | {d or 'plain'} | {pv:.2f} | {real} | {ts:,.0f} | {ratio:.2f}x | {extra} |")

@@ -159,8 +159,8 @@ class ModelConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 fail(name, "must be >= 1")
-        for name in ["q_lora_rank", "n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers", "mtp_depth",
-                     "index_skip_topk_offset"]:
+        for name in ["q_lora_rank", "n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers",
+                     "mtp_depth", "index_skip_topk_offset"]:
             if getattr(self, name) < 0:
                 fail(name, "must be >= 0")
         for name in ["rms_norm_eps", "latent_norm_eps", "indexer_norm_eps", "init_std", "rope_theta",

@@ -150,7 +150,8 @@ def mla_proj_flops(cfg: ModelConfig) -> int:
     """q_a_proj, q_b_proj (or q_proj), kv_a_proj_with_mqa, o_proj: the per-token projections every mode and phase
     runs."""
     D, H, r_q, r_kv = cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank
-    return 2 * (D * r_q + query_width(cfg) * H * cfg.qk_head_dim + D * (r_kv + cfg.qk_rope_head_dim) + H * cfg.v_head_dim * D)
+    return 2 * (D * r_q + query_width(cfg) * H * cfg.qk_head_dim + D * (r_kv + cfg.qk_rope_head_dim)
+                + H * cfg.v_head_dim * D)
 
 
 def kv_up_flops(cfg: ModelConfig) -> int:

@@ -1,8 +1,9 @@
 """Importing a dense MLA checkpoint (transformers' `deepseek_v3`: DeepSeek-V3 / V3.1, Kimi-K2, Moonlight; and
-`deepseek_v2` with its softmax router) into a DSA model (issue 43): in dense mode the import reproduces DeepseekV3ForCausalLM's logits (both RoPE layouts, which
-deepseek_v3 reads from config.json) and decodes as it prefills; every layer's lightning indexer is fresh, the model's
-own initialiser; a deliberately wrong key map fails the check; export writes `deepseek_v32` with the indexers, which
-DeepseekV32ForCausalLM loads to glmjax's sparse logits."""
+`deepseek_v2` with its softmax router) into a DSA model (issue 43): in dense mode the import reproduces
+DeepseekV3ForCausalLM's logits (both RoPE layouts, which deepseek_v3 reads from config.json) and decodes as it
+prefills; every layer's lightning indexer is fresh, the model's own initialiser; a deliberately wrong key map fails
+the check; export writes `deepseek_v32` with the indexers, which DeepseekV32ForCausalLM loads to glmjax's sparse
+logits."""
 import json
 import os
 
@@ -296,7 +297,8 @@ def lite(tmp_path_factory):
     """{family: (transformers model, its directory)} with q_lora_rank=None: deepseek_v2 (DeepSeek-V2-Lite's MLA and
     greedy softmax router) and deepseek_v3 (Moonlight's MLA and sigmoid router)."""
     root = tmp_path_factory.mktemp("dense_mla_lite")
-    return {f: (build_hf(f, str(root / f), 30 + i, q_lora_rank=None), str(root / f)) for i, f in enumerate(("v2", "v3"))}
+    return {f: (build_hf(f, str(root / f), 30 + i, q_lora_rank=None), str(root / f))
+            for i, f in enumerate(("v2", "v3"))}
 
 
 @pytest.mark.parametrize("family", ["v2", "v3"])

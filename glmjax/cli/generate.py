@@ -4,12 +4,12 @@
   glmjax-generate --checkpoint ckpt/ --tokenizer hf:path/to/GLM-5 --chat --prompt "Hi" --temperature 0.7 --top-p 0.9
 
 --checkpoint is a stage or PPO workdir (its newest intact checkpoint; a PPO run's holds its policy), a directory
-written by `glmjax-hf import` (or a PPO run's policy/), or a Hugging Face checkpoint (config.json + safetensors). The prompt is encoded with BOS and without EOS; with --chat it is
-one user message rendered by the tokenizer's chat template with add_generation_prompt=True (no BOS added: the
-template writes its own). Generation stops at the tokenizer's EOS or after --max-new-tokens; the decoded answer is
-printed. Temperature 0 is greedy. --speculative D (greedy only) drafts D tokens per step with the model's MTP layer
-and verifies them in one pass of the main model: the same tokens, fewer passes. Errors end in one line on stderr and
-exit status 2.
+written by `glmjax-hf import` (or a PPO run's policy/), or a Hugging Face checkpoint (config.json + safetensors).
+The prompt is encoded with BOS and without EOS; with --chat it is one user message rendered by the tokenizer's chat
+template with add_generation_prompt=True (no BOS added: the template writes its own). Generation stops at the
+tokenizer's EOS or after --max-new-tokens; the decoded answer is printed. Temperature 0 is greedy. --speculative D
+(greedy only) drafts D tokens per step with the model's MTP layer and verifies them in one pass of the main model:
+the same tokens, fewer passes. Errors end in one line on stderr and exit status 2.
 """
 from __future__ import annotations
 

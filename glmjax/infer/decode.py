@@ -76,7 +76,8 @@ def forward_cached(model: GLM, tokens, start, caches, mode: str):
     slots = start[:, None] + (jnp.arange(S, dtype=jnp.int32)[None] if layout is None else layout.slots((B, S)))
     if layout is not None:  # each context shard takes its S/N tokens of every row
         tokens = constrain(layout.to_layout(tokens), ("batch", "sequence"))
-    ctx = cache_ctx(model.cfg, start, slots, T, mode, layout=None if layout is None else context.Layout("contiguous", n),
+    ctx = cache_ctx(model.cfg, start, slots, T, mode,
+                    layout=None if layout is None else context.Layout("contiguous", n),
                     cache_write=None if n == 1 else write_on_context)
     h, _, caches = model.trunk(tokens, ctx, caches)
     return (h if layout is None else layout.to_natural(h)), caches

@@ -14,8 +14,9 @@ One PPO step:
 Metrics go to workdir/metrics.jsonl (one line per step, plus eval lines), interceptions to
 workdir/interceptions.jsonl, checkpoints every ppo.checkpoint_every steps to workdir/checkpoints (the stages'
 machinery; the same call resumes a killed run: `PPORun.save` / `restore` say what they hold), the final policy to
-workdir/policy (ppo.save_policy), and a tqdm bar shows reward / eval accuracy / wait share. Tasks: the built-in demos, or your prompts JSONL with a reward by import path
-(glmjax/rl/prompts.py); text goes through ppo.tokenizer's rule (glmjax/rl/text.py).
+workdir/policy (ppo.save_policy), and a tqdm bar shows reward / eval accuracy / wait share. Tasks: the built-in
+demos, or your prompts JSONL with a reward by import path (glmjax/rl/prompts.py); text goes through ppo.tokenizer's
+rule (glmjax/rl/text.py).
 
 `load_params(path, target_state) -> state` plugs in checkpoint loading for ppo.init_checkpoint: it receives the
 model's complete nnx.State (as a shape/structure target) and returns one of the same structure (train.py, through

@@ -172,6 +172,7 @@ def claim(workdir: str):
     finally:
         done.set()
         thread.join()
-        if _holder(path).get("pid") == me["pid"] and _holder(path).get("host") == me["host"]:
+        holder = _holder(path)
+        if (holder.get("pid"), holder.get("host")) == (me["pid"], me["host"]):
             with contextlib.suppress(OSError):
                 os.remove(path)
