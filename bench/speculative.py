@@ -98,9 +98,9 @@ def main():
 
     from glmjax.infer import Decoder, generate
     from glmjax.infer.generate import prompt_batch, speculator
-    from glmjax.workdir import workdir_model
+    from glmjax.resolve import load_model
 
-    model, _, step = workdir_model(args.workdir)
+    model, loaded = load_model(args.workdir)
     dec = Decoder(model, "sparse")
     load0 = os.getloadavg()[0]
     cpu0 = resource.getrusage(resource.RUSAGE_SELF).ru_utime + resource.getrusage(resource.RUSAGE_SELF).ru_stime
@@ -143,7 +143,7 @@ def main():
             real = f"{first_round(dec, d):.2f}" if d and B == args.batches[0] else ""
             rows.append((B, d, per_verify, real, tok_s, plain_s / s, extra))
     cpu = resource.getrusage(resource.RUSAGE_SELF).ru_utime + resource.getrusage(resource.RUSAGE_SELF).ru_stime - cpu0
-    print(f"model: configs/tiny.py trained {step} steps in {args.workdir} ({train_s:.0f} s of training this run); "
+    print(f"model: configs/tiny.py {loaded.where} in {args.workdir} ({train_s:.0f} s of training this run); "
           f"{args.new_tokens} new tokens per row, sparse attention, greedy; median of {args.repeats}")
     print(f"load average {load0:.2f} before, {os.getloadavg()[0]:.2f} after; measuring: {time.time() - wall0:.0f} s "
           f"wall, {cpu:.0f} s CPU")

@@ -1,6 +1,7 @@
 """Reading a training workdir (an LM stage's or a PPO run's): the per-step manifests of its checkpoints (size and
 CRC-32 of every file, written once orbax has committed the step), their verification, and the newest intact
-model state -- what every reader of a workdir uses (init_from, glmjax-generate, glmjax-hf export, the tools).
+model state -- what glmjax/resolve.py reads a workdir with (for init_from, glmjax-generate, glmjax-hf export, the
+tools).
 Writing and restoring a run's whole state (optimizer, data iterator, damage handling): glmjax/train/checkpoint.py.
 
 workdir/checkpoints/<step>/{model, opt_state, data, meta, manifest.json}; "model" is the model's complete state as
@@ -16,10 +17,6 @@ import zlib
 
 import jax
 import orbax.checkpoint as ocp
-from flax import nnx
-
-from glmjax.config import ModelConfig
-from glmjax.model import GLM
 
 MANIFEST = "manifest.json"
 
@@ -157,12 +154,3 @@ def load_model_state(workdir: str, sharding=None) -> tuple[dict, dict, int]:
     raise FileNotFoundError(f"{workdir}: no intact checkpoint in {directory}"
                             + (f" ({'; '.join(problems)})" if problems else ""))
 
-
-def workdir_model(workdir: str) -> tuple[GLM, dict, int]:
-    """The model of a workdir's newest intact checkpoint, built from the config it was trained with -> (model, meta,
-    step)."""
-    state, meta, step = load_model_state(workdir)
-    cfg = ModelConfig.from_dict(meta["model"])
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: GLM(cfg, nnx.Rngs(0))))
-    nnx.replace_by_pure_dict(abstract, state)  # the run's own config: every leaf is in the checkpoint
-    return nnx.merge(graphdef, abstract), meta, step

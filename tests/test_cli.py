@@ -12,11 +12,11 @@ import pytest
 from flax import nnx
 
 from glmjax.cli import generate as gen_cli
+from glmjax.cli import hf as hf_cli
 from glmjax.data.chat import ChatTemplate
 from glmjax.data.hf_tokenizer import HFTokenizer
 from glmjax.data.tokenizer import ByteTokenizer
 from glmjax.infer import Decoder, generate
-from glmjax.interop import hf as hf_mod
 from glmjax.model import GLM
 from helpers import tiny
 from hf_tokenizer_fixture import write_tokenizer
@@ -31,7 +31,7 @@ def test_train_help_exits_0():
         assert "resumes from the newest checkpoint" in out.stdout and "--workdir" in out.stdout
 
 
-@pytest.mark.parametrize("main", [hf_mod.main, gen_cli.main])
+@pytest.mark.parametrize("main", [hf_cli.main, gen_cli.main])
 def test_help_exits_0(main, capsys):
     with pytest.raises(SystemExit) as e:
         main(["--help"])
@@ -102,29 +102,9 @@ def test_generate_speculative_prints_plain_greedy(tmp_path, capsys):
 def test_generate_errors_in_one_line(tmp_path, capsys):
     assert gen_cli.main(["--checkpoint", str(tmp_path), "--prompt", "x"]) == 2
     err = capsys.readouterr().err.strip()
-    assert "\n" not in err and err.startswith("error: --checkpoint") and "neither a stage workdir" in err
+    assert "\n" not in err and err.startswith("error: --checkpoint") and "neither a stage or PPO workdir" in err
     assert gen_cli.main(["--checkpoint", str(tmp_path), "--prompt", "x", "--chat"]) == 2
     assert "has no chat template" in capsys.readouterr().err
-
-
-def test_generate_loads_a_stage_workdir_and_an_hf_checkpoint(tmp_path):
-    from glmjax.train.checkpoint import Checkpoints
-
-    model = GLM(tiny(num_nextn_predict_layers=0), nnx.Rngs(5))
-    work = str(tmp_path / "stage")
-    ck = Checkpoints(work, async_save=False)
-    meta = {"model": model.cfg.to_json_dict(), "stage": "pretrain"}
-    ck.save(3, nnx.state(model).to_pure_dict(), {"count": np.zeros((), np.int32)}, {}, meta)  # as the loop saves
-    ck.close()
-    with open(os.path.join(work, "config.json"), "w") as f:  # a stage workdir also holds the run's config.json
-        json.dump({"model": model.cfg.to_json_dict()}, f)
-    hf_dir = str(tmp_path / "hf")
-    hf_mod.save_hf(model, hf_dir, None, dtype="F32")
-    for path, want in ((work, model), (hf_dir, hf_mod.load_hf(hf_dir)[0])):
-        got = gen_cli.load_model(path)
-        assert got.cfg == want.cfg
-        a, b = jax.tree.leaves(nnx.state(got, nnx.Param)), jax.tree.leaves(nnx.state(want, nnx.Param))
-        assert len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
 
 
 LIBTPU_NOISE = ("Failed to find host bounds", "unexpected worker hostname", "libtpu", "TPU_WORKER_HOSTNAMES",

@@ -192,8 +192,9 @@ def test_walkthrough_import_recipe_export_loads_in_transformers(v3, tokens, tmp_
     sparse_adapt (-> the optional indexshare) -> `glmjax-hf export` with the import's layout: a deepseek_v32
     checkpoint that DeepseekV32ForCausalLM loads (nothing missing or unexpected) to the trained model's sparse
     logits."""
-    from glmjax.interop.hf import main as hf
-    from glmjax.workdir import load_model_state, workdir_model
+    from glmjax.cli.hf import main as hf
+    from glmjax.resolve import load_model
+    from glmjax.workdir import load_model_state
     from test_reliability import ROOT, launch
 
     _, src = v3[True]
@@ -222,7 +223,7 @@ def test_walkthrough_import_recipe_export_loads_in_transformers(v3, tokens, tmp_
     hf32, info = transformers.DeepseekV32ForCausalLM.from_pretrained(out, attn_implementation="eager",
                                                                      output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
-    model = workdir_model(os.path.join(runs, "sparse_adapt"))[0]
+    model = load_model(os.path.join(runs, "sparse_adapt"))[0]
     h, _ = nnx.jit(lambda m, b: m(b, "sparse"))(model, batch_of(tokens))
     err = float(np.max(np.abs(np.asarray(model.logits(h)) - hf_logits(hf32.float().eval(), tokens))))
     assert err < 1e-4, err
@@ -269,7 +270,7 @@ def test_deepseek_v2_router_choices_matter(v2, tokens):
 
 def assert_export_refused(src, tmp_path, capsys, reason: str):
     """`glmjax-hf import` of src, then `glmjax-hf export`: exit 2 with one line naming the reason, no tensor written."""
-    from glmjax.interop.hf import main as hf
+    from glmjax.cli.hf import main as hf
 
     ckpt = str(tmp_path / "ckpt")
     sets = [a for kv in ("index_n_heads=32", "index_head_dim=32", "index_topk=8") for a in ("--set", kv)]

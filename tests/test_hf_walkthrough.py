@@ -24,9 +24,9 @@ from hf_tokenizer_fixture import write_tokenizer  # noqa: E402
 
 from configs import ppo_prompts, sft_chat  # noqa: E402
 from glmjax.cli import generate as gen_cli  # noqa: E402
+from glmjax.cli import hf as hf_cli  # noqa: E402
 from glmjax.data import make_pipeline  # noqa: E402
 from glmjax.data.hf_tokenizer import HFTokenizer  # noqa: E402
-from glmjax.interop import hf as hf_mod  # noqa: E402
 from glmjax.launch import run  # noqa: E402
 
 SEED = int(os.environ.get("GLMJAX_WALKTHROUGH_SEED", "0"))  # the test runs seed 0; 1 and 2 were checked as well
@@ -112,7 +112,7 @@ def test_hf_checkpoint_to_post_trained_and_back(tmp_path, monkeypatch, capsys):
     hf_dir, tok = released_checkpoint(root)
 
     # 2. import
-    assert hf_mod.main(["import", hf_dir, os.path.join(root, "imported")]) == 0
+    assert hf_cli.main(["import", hf_dir, os.path.join(root, "imported")]) == 0
 
     # 3. SFT on chat data: the pipeline's ids and mask are transformers', the loss falls
     sft, chats = sft_config(root, hf_dir)
@@ -136,7 +136,7 @@ def test_hf_checkpoint_to_post_trained_and_back(tmp_path, monkeypatch, capsys):
 
     # 5. export; transformers generates what glmjax generates
     policy, exported = os.path.join(root, "ppo", "policy"), os.path.join(root, "exported")
-    assert hf_mod.main(["export", policy, exported, "--dtype", "F32"]) == 0
+    assert hf_cli.main(["export", policy, exported, "--dtype", "F32"]) == 0
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(os.path.join(hf_dir, name), exported)
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(exported, attn_implementation="eager").eval()
@@ -160,7 +160,7 @@ def test_inspect_reads_the_released_checkpoint(tmp_path, capsys):
     """Step 1 and `glmjax-hf inspect` alone: the ModelConfig it prints has the saved checkpoint's shapes and the
     tokenizer's vocabulary."""
     hf_dir, tok = released_checkpoint(str(tmp_path))
-    assert hf_mod.main(["inspect", hf_dir]) == 0
+    assert hf_cli.main(["inspect", hf_dir]) == 0
     out = capsys.readouterr().out
     cfg = json.loads(out[:out.index("\n}") + 2])
     assert cfg["vocab_size"] == tok.vocab_size

@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from glmjax.config import ModelConfig  # noqa: E402
 from glmjax.interop import (HFCheckpointError, config_from_hf, config_to_hf, dequantize_fp8, load_hf,  # noqa: E402
                             logical_sharding, save_hf)
+from glmjax.cli import hf as hf_cli  # noqa: E402
 from glmjax.interop import hf as hf_mod  # noqa: E402
 from glmjax.model import Batch  # noqa: E402
 from glmjax.model.backends import XLA  # noqa: E402
@@ -585,12 +586,12 @@ def test_key_map_of_the_real_configs(name, tensors, params):
 
 def test_cli_import_export_roundtrip(ckpts, tmp_path, capsys):
     src = ckpts["ds"][3]
-    assert hf_mod.main(["inspect", src]) == 0
+    assert hf_cli.main(["inspect", src]) == 0
     assert '"indexer_rope_interleave": false' in capsys.readouterr().out
     ck, out = str(tmp_path / "ck"), str(tmp_path / "out")
-    assert hf_mod.main(["import", src, ck]) == 0
+    assert hf_cli.main(["import", src, ck]) == 0
     assert sorted(os.listdir(ck)) == ["hf_layout.json", "model_config.json", "state"]
-    assert hf_mod.main(["export", ck, out, "--max-shard-size", "1MB"]) == 0
+    assert hf_cli.main(["export", ck, out, "--max-shard-size", "1MB"]) == 0
     assert_same_tensors(src, out)
 
 

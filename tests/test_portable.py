@@ -14,7 +14,7 @@ import pytest
 from glmjax import parallel as par
 from glmjax.data.tokenizer import make_tokenizer
 from glmjax.infer import Decoder, generate
-from glmjax.workdir import workdir_model
+from glmjax.resolve import load_model
 from test_reliability import ROOT
 from test_resume import train
 from xla_flags import xla_flags
@@ -44,7 +44,7 @@ def test_a_run_on_8_devices_generates_and_exports_on_one(tmp_path):
     assert rc == 0, stderr[-3000:]
     got = json.loads(stdout.splitlines()[-1])
 
-    model = workdir_model(run)[0]
+    model = load_model(run)[0]
     mesh = par.make_mesh(dict(data=1, fsdp=4, tensor=2))
     tok = make_tokenizer("byte")
     want = generate(Decoder(model, "sparse", mesh=mesh), [tok.encode(PROMPT, bos=True, eos=False).tolist()], 12,
@@ -52,7 +52,7 @@ def test_a_run_on_8_devices_generates_and_exports_on_one(tmp_path):
     assert got == want.tokens[0, :want.lengths[0]].tolist() and len(got) == 12
 
     out_dir = str(tmp_path / "hf")
-    rc, _, stderr = one_device("glmjax.interop.hf", "export", run, out_dir)
+    rc, _, stderr = one_device("glmjax.cli.hf", "export", run, out_dir)
     assert rc == 0, stderr[-3000:]
     from flax import nnx, traverse_util
     from glmjax.interop import load_hf

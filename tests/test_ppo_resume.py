@@ -170,7 +170,7 @@ def test_generate_and_export_read_a_ppo_workdir(ppo_reference, tmp_path, capsys)
     """glmjax-generate --checkpoint <PPO workdir> is its final policy (the newest checkpoint holds it, as policy/
     does; an interrupted run's newest checkpoint serves too); glmjax-hf export <PPO workdir> writes policy/."""
     from glmjax.cli.generate import main as generate
-    from glmjax.interop.hf import main as hf
+    from glmjax.cli.hf import main as hf
 
     def ids(path):
         assert generate(["--checkpoint", path, "--prompt", "3+4=", "--max-new-tokens", "6", "--ids",

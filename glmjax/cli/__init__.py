@@ -1,2 +1,2 @@
-"""Command-line programs (pyproject.toml [project.scripts]): glmjax-train (`train`), glmjax-generate (`generate`);
-glmjax-hf is `glmjax.interop.hf.main`."""
+"""Command-line programs (pyproject.toml [project.scripts]): glmjax-train (`train`), glmjax-generate (`generate`),
+glmjax-hf (`hf`)."""

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import jax
@@ -24,23 +23,7 @@ from glmjax.cli.runtime import configure_jax
 from glmjax.data.chat import ChatTemplate
 from glmjax.data.tokenizer import make_tokenizer
 from glmjax.infer import Decoder, generate
-from glmjax.model import GLM
-from glmjax.workdir import workdir_model
-
-
-def load_model(path: str) -> GLM:
-    """A stage or PPO workdir, a directory from `glmjax-hf import` or a Hugging Face checkpoint -> the model it
-    holds."""
-    if os.path.isdir(os.path.join(path, "checkpoints")):
-        return workdir_model(path)[0]
-    from glmjax.interop.hf import load_checkpoint, load_hf
-
-    if os.path.exists(os.path.join(path, "model_config.json")):
-        return load_checkpoint(path)[0]
-    if os.path.exists(os.path.join(path, "config.json")):
-        return load_hf(path)[0]
-    raise FileNotFoundError(f"--checkpoint {path!r}: neither a stage workdir (checkpoints/), an imported checkpoint "
-                            "(model_config.json) nor a Hugging Face checkpoint (config.json)")
+from glmjax.resolve import load_model
 
 
 def prompt_ids(tokenizer, prompt: str, chat: bool) -> list[int]:
@@ -74,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         tokenizer = make_tokenizer(args.tokenizer)
         ids = prompt_ids(tokenizer, args.prompt, args.chat)
-        model = load_model(args.checkpoint)
+        model = load_model(args.checkpoint, "--checkpoint")[0]
         out = generate(Decoder(model, args.mode), [ids], args.max_new_tokens, key=jax.random.key(args.seed),
                        temperature=args.temperature, top_p=args.top_p, stop_tokens=[tokenizer.eos_id],
                        pad_id=tokenizer.pad_id, speculative=args.speculative)

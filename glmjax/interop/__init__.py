@@ -1,7 +1,7 @@
 """Hugging Face safetensors import/export (glm_moe_dsa / deepseek_v32; deepseek_v3 imported with fresh indexers). See
 glmjax/interop/hf.py and docs/interop.md.
 
-Names resolve lazily so that `python -m glmjax.interop.hf` does not import hf.py twice.
+Names resolve lazily: importing the package does not import hf.py (jax, orbax, the model).
 """
 import importlib
 

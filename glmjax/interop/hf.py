@@ -17,12 +17,10 @@ Handled: per-expert (`mlp.experts.{e}.*_proj.weight`, the hub layout) and fused 
 shared schedule: ignored with a note); the MTP layer at index num_hidden_layers (embedding/head shared with the
 main model; DeepSeek's private `embed_tokens` / `shared_head.head` copies are verified against the shared weights).
 
-CLI: glmjax-hf (or python -m glmjax.interop.hf) {inspect,import,export} ... (see `main`); export reads an import, a
-training workdir (its newest intact checkpoint, glmjax/workdir.py) or a finished PPO workdir (`export_model`).
+CLI: glmjax-hf (glmjax/cli/hf.py) {inspect,import,export}.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import functools
@@ -32,7 +30,6 @@ import logging
 import math
 import os
 import re
-import sys
 from typing import Any, Callable, Mapping
 
 import jax
@@ -40,14 +37,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from glmjax.cli.runtime import configure_jax
 from glmjax.config import ConfigError, ModelConfig
 from glmjax.interop import keymap
 from glmjax.interop.keymap import Spec, config_from_hf, config_to_hf, plan_keys, to_hf, to_ours
 from glmjax.interop.safetensors_io import DTYPES, Reader, TensorInfo, read_header, write_file
 from glmjax.model import GLM
 from glmjax.parallel.rules import logical_sharding  # noqa: F401  (re-exported: `sharding=` for load_hf)
-from glmjax.workdir import on_first_device, workdir_model
 
 log = logging.getLogger("glmjax.interop")
 
@@ -568,132 +563,3 @@ def _write_json(path: str, obj) -> None:
         json.dump(obj, f, indent=2)
         f.write("\n")
     os.replace(tmp, path)
-
-
-# ------------------------------------------------------------------------------------------------ CLI
-
-
-def _parse_overrides(items: list[str]) -> dict:
-    out = {}
-    for item in items or []:
-        k, _, v = item.partition("=")
-        try:
-            out[k] = json.loads(v)
-        except json.JSONDecodeError:
-            out[k] = v
-    return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="glmjax-hf", description=__doc__.split("\n")[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--latent-norm-eps", default=str(keymap.HF_LATENT_NORM_EPS),
-                        help="eps of q_a/kv_a_layernorm: a number (default 1e-6 = HF) or 'rms_norm_eps'")
-    common.add_argument("--set", action="append", metavar="FIELD=VALUE",
-                        help="override a ModelConfig field (JSON value), e.g. --set param_dtype=bfloat16")
-    common.add_argument("--honour-rope-flags", action="store_true",
-                        help="use config.json's rope_interleave / indexer_rope_interleave (vLLM / SGLang) instead of "
-                             "the layouts transformers computes, which ignores them")
-    p = sub.add_parser("inspect", parents=[common], help="validate names/shapes/dtypes, print the ModelConfig")
-    p.add_argument("hf_dir")
-    p = sub.add_parser("import", parents=[common], help="HF checkpoint -> glmjax checkpoint (orbax + json)")
-    p.add_argument("hf_dir")
-    p.add_argument("out_dir")
-    p = sub.add_parser("export", help="glmjax checkpoint (from `import` or training) -> HF checkpoint")
-    p.add_argument("ckpt_dir", help="a directory from `import` (model_config.json, state/, hf_layout.json), a "
-                   "training workdir (its newest intact checkpoint) or a finished PPO workdir (its policy/)")
-    p.add_argument("hf_dir")
-    p.add_argument("--layout", default=None, metavar="IMPORT_DIR",
-                   help="write the key names, dtypes and config.json of this import's source (its hf_layout.json); "
-                   "a deepseek_v3 source is written as deepseek_v32")
-    p.add_argument("--model-type", default="glm_moe_dsa", choices=keymap.MODEL_TYPES,
-                   help="without hf_layout.json")
-    p.add_argument("--dtype", default="BF16", choices=("BF16", "F32", "F16"), help="without hf_layout.json")
-    p.add_argument("--max-shard-size", default="5GB")
-    p.add_argument("--overwrite", action="store_true")
-    for sp in sub.choices.values():
-        sp.add_argument("--compilation-cache", default=None, help="JAX's persistent compilation cache (default: "
-                        "~/.cache/glmjax/jax_cache, see glmjax/cli/runtime.py); empty = off")
-    args = ap.parse_args(argv)
-    configure_jax(args.compilation_cache)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-
-    if args.cmd in ("inspect", "import"):
-        eps = None if args.latent_norm_eps == "rms_norm_eps" else float(args.latent_norm_eps)
-        overrides = _parse_overrides(args.set)
-        if args.cmd == "inspect":
-            cfg, notes = check_hf(args.hf_dir, latent_norm_eps=eps, honour_rope_flags=args.honour_rope_flags,
-                                  overrides=overrides)
-            print(json.dumps(cfg.to_json_dict(), indent=1))
-            for n in notes:
-                print("note:", n)
-            return 0
-        import orbax.checkpoint as ocp
-
-        model, layout = load_hf(args.hf_dir, latent_norm_eps=eps, honour_rope_flags=args.honour_rope_flags,
-                                overrides=overrides)
-        os.makedirs(args.out_dir, exist_ok=True)
-        with ocp.StandardCheckpointer() as ck:
-            ck.save(os.path.abspath(os.path.join(args.out_dir, "state")), nnx.state(model))
-        _write_json(os.path.join(args.out_dir, "model_config.json"), model.cfg.to_json_dict())
-        with open(os.path.join(args.out_dir, "hf_layout.json"), "w") as f:
-            f.write(layout.to_json())
-        print(f"imported {args.hf_dir} -> {args.out_dir}")
-        return 0
-
-    try:
-        model, layout = export_model(args.ckpt_dir, args.layout)
-        files = save_hf(model, args.hf_dir, layout, model_type=args.model_type, dtype=args.dtype,
-                        max_shard_size=args.max_shard_size, overwrite=args.overwrite)
-    except (FileNotFoundError, ConfigError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"exported {args.ckpt_dir} -> {args.hf_dir}: {', '.join(files)}")
-    return 0
-
-
-def export_model(path: str, layout_dir: str | None = None) -> tuple[GLM, HFLayout | None]:
-    """What `export` writes for `path` -> (model, layout): a directory written by `import` (or a PPO run's policy/)
-    with its hf_layout.json; a finished PPO workdir's policy/; a stage or PPO workdir's newest intact checkpoint
-    (glmjax/workdir.py), without a layout. layout_dir: an import directory whose hf_layout.json (the source's key
-    names, dtypes, expert layout, config.json) is used instead, e.g. the import a training run started from."""
-    if os.path.exists(os.path.join(path, "model_config.json")):
-        model, layout = load_checkpoint(path)
-    elif os.path.exists(os.path.join(path, "policy", "model_config.json")):
-        model, layout = load_checkpoint(os.path.join(path, "policy"))
-    elif os.path.isdir(os.path.join(path, "checkpoints")):
-        model, layout = workdir_model(path)[0], None
-    else:
-        raise FileNotFoundError(f"{path}: neither a directory written by `glmjax-hf import` (model_config.json), a "
-                                "training workdir (checkpoints/) nor a finished PPO workdir (policy/)")
-    if layout_dir is not None:
-        lpath = os.path.join(layout_dir, "hf_layout.json")
-        if not os.path.exists(lpath):
-            raise FileNotFoundError(f"--layout {layout_dir}: no hf_layout.json (written by `glmjax-hf import`)")
-        with open(lpath) as f:
-            layout = HFLayout.from_json(f.read())
-    return model, layout
-
-
-def load_checkpoint(ckpt_dir: str) -> tuple[GLM, HFLayout | None]:
-    """Read a directory written by `python -m glmjax.interop.hf import` (model_config.json, state/,
-    hf_layout.json)."""
-    import orbax.checkpoint as ocp
-
-    with open(os.path.join(ckpt_dir, "model_config.json")) as f:
-        cfg = ModelConfig.from_dict(json.load(f))
-    graphdef, abs_state = nnx.split(nnx.eval_shape(lambda: GLM(cfg, nnx.Rngs(0))))
-    with ocp.StandardCheckpointer() as ck:  # on the first local device, whatever mesh wrote it
-        state = ck.restore(os.path.abspath(os.path.join(ckpt_dir, "state")), on_first_device(abs_state))
-    model = nnx.merge(graphdef, state)
-    layout = None
-    lpath = os.path.join(ckpt_dir, "hf_layout.json")
-    if os.path.exists(lpath):
-        with open(lpath) as f:
-            layout = HFLayout.from_json(f.read())
-    return model, layout
-
-
-if __name__ == "__main__":
-    sys.exit(main())

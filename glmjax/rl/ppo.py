@@ -54,6 +54,7 @@ from glmjax.rl.tasks import REWARDS, resolve_callable, resolve_tools
 from glmjax.rl.text import ChatText
 from glmjax.rl.trainer import (ACTOR_TRAINABLE, CRITIC_TRAINABLE, Placement, PPOFunctions, accumulate, before,
                                critic_optimizer, forward, full_state, init_value_head, make_apply)
+from glmjax.resolve import write_import
 from glmjax.rl.warmup import supervised_warmup
 from glmjax.train.checkpoint import CheckpointError, Checkpoints, newest_meta
 from glmjax.train.hooks import CheckpointHook, EvalHook, MetricsLog, due, stop_signals
@@ -529,7 +530,7 @@ def train_ppo(config, workdir: str, progress: bool = True, load_params: LoadPara
                 worker.stop()
             ckpt.close()
     if not summary.get("interrupted") and p.save_policy:
-        save_policy(run.learner.policy_state(), run.cfg, os.path.join(workdir, "policy"))
+        write_import(os.path.join(workdir, "policy"), run.learner.policy_state(), run.cfg)  # glmjax/resolve.py
     totals = run.totals
     summary.update(wait_share=totals["wait_s"] / max(totals["step_s"], 1e-9),
                    step_s=totals["step_s"] / max(totals["steps"], 1),
@@ -559,18 +560,6 @@ def settle_checkpoints(config, workdir: str) -> bool:
               "step 0")
         return False
     return True
-
-
-def save_policy(state, cfg, path: str):
-    """The policy as `glmjax-hf import` writes a checkpoint (model_config.json + state/): read by glmjax-generate,
-    init_from / ppo.init_checkpoint and `glmjax-hf export`."""
-    import orbax.checkpoint as ocp
-
-    os.makedirs(path, exist_ok=True)
-    with ocp.StandardCheckpointer() as ck:
-        ck.save(os.path.abspath(os.path.join(path, "state")), state, force=True)
-    with open(os.path.join(path, "model_config.json"), "w") as f:
-        json.dump(cfg.to_json_dict(), f, indent=1)
 
 
 def eval_line(step: int, e: dict, m: dict) -> str:

@@ -21,21 +21,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from glmjax import resolve
 from glmjax.data import default_data_config, make_pipeline
 from glmjax.model import GLM
 from glmjax.train.loop import to_batch
 from glmjax.train.step import topk_overlap
-from glmjax.workdir import workdir_model
 
 
 def load_model(path: str) -> GLM:
-    if os.path.isdir(os.path.join(path, "checkpoints")):
-        model, meta, step = workdir_model(path)
-        print(f"{path}: stage {meta.get('stage')}, step {step}")
-        return model
-    from glmjax.interop.hf import load_checkpoint, load_hf
-
-    return load_checkpoint(path)[0] if os.path.exists(os.path.join(path, "model_config.json")) else load_hf(path)[0]
+    model, loaded = resolve.load_model(path, "--checkpoint")
+    print(f"{path}: {loaded.where}")
+    return model
 
 
 def overlap_matrices(model: GLM, batches) -> dict:

@@ -1,6 +1,6 @@
-"""Initialising a model from another run's weights: a stage workdir (its orbax checkpoints), a directory written by
-`python -m glmjax.interop.hf import`, or a Hugging Face safetensors checkpoint; the parameter surgery between
-stages is `glmjax.train.stages.surgery`."""
+"""Initialising a model from another run's weights: any checkpoint directory of glmjax/resolve.py (a stage or PPO
+workdir, an import, a Hugging Face checkpoint); the parameter surgery between stages is
+`glmjax.train.stages.surgery`."""
 from __future__ import annotations
 
 import json
@@ -11,29 +11,17 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from glmjax.config import ModelConfig
 from glmjax.model.transformer import GLM
-from glmjax.train.checkpoint import load_model_state
+from glmjax.resolve import load, locate
 from glmjax.train.stages import surgery
-
-INIT_MARKERS = ("checkpoints", "model_config.json", "config.json")  # what a directory `init_model` reads holds
 
 
 def init_model(model: GLM, path: str) -> list[str]:
-    """Initialise `model` in place from `path`: a stage workdir (orbax checkpoints/), a directory written by
-    `python -m glmjax.interop.hf import`, or a Hugging Face safetensors checkpoint. -> log lines."""
-    if os.path.isdir(os.path.join(path, "checkpoints")):
-        state, meta, step = load_model_state(path, sharding=placed_like(model))
-        src_cfg = ModelConfig.from_dict(meta["model"])
-        where = f"stage {meta.get('stage')} step {step}"
-    elif os.path.exists(os.path.join(path, "model_config.json")) or os.path.exists(os.path.join(path, "config.json")):
-        from glmjax.interop.hf import load_checkpoint, load_hf
-
-        src = load_checkpoint(path)[0] if os.path.exists(os.path.join(path, "model_config.json")) else \
-            load_hf(path, overrides=fresh_indexer_shape(path, model.cfg))[0]
-        state, src_cfg, where = nnx.state(src).to_pure_dict(), src.cfg, "imported weights"
-    else:
-        raise FileNotFoundError(f"init_from={path!r}: neither a stage workdir (checkpoints/), an imported "
-                                "checkpoint (model_config.json) nor a Hugging Face checkpoint (config.json)")
-    return [where] + surgery(model, state, src_cfg)
+    """Initialise `model` in place from `path`: any checkpoint directory `glmjax.resolve.locate` knows (a stage or
+    PPO workdir, an import, a Hugging Face checkpoint), each tensor read into the model's placement. -> log lines."""
+    src = locate(path, "init_from")
+    overrides = fresh_indexer_shape(src.path, model.cfg) if src.kind == "hf" else None
+    loaded = load(src, sharding=placed_like(model), hf_overrides=overrides)
+    return [loaded.where] + surgery(model, loaded.state, loaded.cfg)
 
 
 def placed_like(model: GLM):

@@ -38,10 +38,11 @@ from glmjax.model.transformer import GLM, Batch
 from glmjax.optim import validate_optim_config
 from glmjax.parallel import (abstract, batch_sharding, global_batch, init_opt_state, make_mesh, num_batch_shards,
                              opt_state_shardings, process_rows, sharded_init, shardings_of)
+from glmjax.resolve import locate
 from glmjax.train.checkpoint import Checkpoints, intact_steps, newest_meta
 from glmjax.train.config import stage_config, validate_recipe, validate_stage, validate_train_config
 from glmjax.train.hooks import CheckpointHook, EvalHook, MetricsLog, due, stop_signals
-from glmjax.train.init_from import INIT_MARKERS, init_model
+from glmjax.train.init_from import init_model
 from glmjax.train.programs import load_or_compile
 from glmjax.train.resume import ConfigMismatch, archive_run, check_resume, config_diff, fingerprint
 from glmjax.train.stages import STAGES, TRAINABLE, Stage
@@ -104,11 +105,10 @@ def check_config(config, init_exists: bool = True):
                           f"{context}, model.context_layout={cfg.context_layout!r}: each context shard holds "
                           f"{pieces // context} equal chunk(s) of the sequence)")
     if init_exists and config.init_from:
-        if not os.path.exists(config.init_from):
-            raise ConfigError(f"init_from={config.init_from!r}: no such directory")
-        if not any(os.path.exists(os.path.join(config.init_from, n)) for n in INIT_MARKERS):
-            raise ConfigError(f"init_from={config.init_from!r}: neither a stage workdir (checkpoints/), an imported "
-                              "checkpoint (model_config.json) nor a Hugging Face checkpoint (config.json)")
+        try:
+            locate(config.init_from, "init_from")
+        except FileNotFoundError as e:
+            raise ConfigError(str(e)) from None
     return cfg, data_cfg, stage
 
 
