@@ -6,7 +6,7 @@ It trains STEPS_BEFORE steps with the trainer's sharded step, checkpoints with o
 fresh arrays, checks them, trains STEPS_AFTER more steps and (process 0) writes the per-step losses as JSON; then it
 runs the MULTIHOST_GROUPS stages' loss and gradients with context parallelism on CONTEXT_MESH, whose context shards
 lie on both processes, and (process 0) writes them next to the JSON (`context_npz`); then decodes on that mesh
-(`decode_npz`).
+(`decode_npz`); last, both claim workdirs (`check_claims`).
 """
 import json
 import os
@@ -267,7 +267,36 @@ def worker(process_id: int, num_processes: int, port: int, ckpt_dir: str, out_js
     logits, tokens, logprobs = decode_run(cmesh)
     if process_id == 0:
         np.savez(decode_npz(out_json), logits=logits, tokens=tokens, logprobs=logprobs)
+    check_claims(process_id, ckpt_dir)
     jax.distributed.shutdown()
+
+
+def check_claims(process_id: int, root: str):
+    """One run per workdir in a multi-process run (glmjax/train/claim.py): process 0 alone holds a free workdir's
+    lock, released at the end; on a busy workdir both processes stop, process 1 told by process 0."""
+    import socket
+
+    from jax.experimental import multihost_utils
+    from glmjax.train.claim import LOCK, WorkdirBusy, claim
+
+    free, busy = os.path.join(root, "free"), os.path.join(root, "busy")
+    if process_id == 0:
+        os.makedirs(busy)
+        with open(os.path.join(busy, LOCK), "w") as f:  # held by a live process of this host: the test's
+            json.dump({"host": socket.gethostname(), "pid": os.getppid(), "since": "now"}, f)
+    multihost_utils.sync_global_devices("busy lock written")
+    with claim(free):
+        with open(os.path.join(free, LOCK)) as f:
+            holder = json.load(f)
+        assert (holder["pid"] == os.getpid()) == (process_id == 0), holder
+        multihost_utils.sync_global_devices("both claimed")
+    multihost_utils.sync_global_devices("released")
+    assert not os.path.exists(os.path.join(free, LOCK))
+    try:
+        with claim(busy):
+            raise AssertionError(f"process {process_id} claimed a busy workdir")
+    except WorkdirBusy as e:
+        assert ("in use by another run" if process_id == 0 else "refused by process 0") in str(e), e
 
 
 def context_npz(out_json: str) -> str:

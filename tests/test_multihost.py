@@ -3,7 +3,7 @@ checkpoint written and restored by both processes, and the same losses as one pr
 parallelism with the sequence split across the processes (context=4 x tensor=2): the sparse stages' (sparse_adapt,
 indexshare) loss and gradients equal one device's (every stage on 8 devices in one process: test_context_parallel),
 and so do the Decoder's logits and greedy tokens on that mesh, its caches split over context across the processes
-(one process: test_decode_sharded)."""
+(one process: test_decode_sharded); process 0 alone holds a workdir's lock and both stop on a busy one."""
 import json
 import os
 import socket

@@ -8,9 +8,9 @@
   `finally` (an error, SIGTERM / SIGINT, the end). After a crash or kill -9 the lock is stale: on the same host
   its pid no longer runs; on any host (another machine on a shared filesystem) its mtime is older than STALE_S.
   A stale lock is taken over, with a line saying so.
-- A workdir is glmjax's when it is missing or empty, holds the marker `.glmjax` (written on every claim), or was
-  written before the marker existed (a glmjax config.json, a checkpoints/ directory with manifests, or stage
-  subdirectories that are glmjax workdirs). Anything else stops with one line (exit 2, `ForeignWorkdir`) and is
+- A workdir is glmjax's when it is missing or empty, holds the marker `.glmjax` (written on every claim) or a lock
+  (a run that has not written its marker yet), or was written before the marker existed (a glmjax config.json, a
+  checkpoints/ directory with manifests, or stage subdirectories that are glmjax workdirs). Anything else stops with one line (exit 2, `ForeignWorkdir`) and is
   not touched.
 """
 from __future__ import annotations
@@ -43,11 +43,11 @@ class ForeignWorkdir(ConfigError):
 
 
 def is_glmjax_workdir(path: str) -> bool:
-    """Missing, empty, marked, or written by glmjax before the marker existed (module doc)."""
+    """Missing, empty, marked or locked, or written by glmjax before the marker existed (module doc)."""
     if not os.path.isdir(path):
         return True
     names = os.listdir(path)
-    if not names or MARK in names or _glmjax_config(os.path.join(path, "config.json")):
+    if not names or MARK in names or LOCK in names or _glmjax_config(os.path.join(path, "config.json")):
         return True
     ckpts = os.path.join(path, "checkpoints")
     if os.path.isdir(ckpts) and any(os.path.exists(os.path.join(ckpts, s, "manifest.json"))
