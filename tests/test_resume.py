@@ -98,7 +98,7 @@ def test_on_config_change_weights_archives_the_old_run_and_starts_from_its_weigh
     (archived,) = os.listdir(os.path.join(interrupted, "archive"))
     old = os.path.join(interrupted, "archive", archived)
     assert snapshot(old) == before  # the old run, intact
-    assert f"init_from {old}: stage pretrain step {STEPS}" in out
+    assert f"init_from {old}: stage pretrain, step {STEPS}" in out
     assert sorted(losses(interrupted)) == list(range(1, STEPS + 1))  # a new run from step 1
     rc, out = train(interrupted, "--config.optim.lr=0.001", "--config.train.on_config_change=weights")
     assert rc == 0 and "already complete" in out  # rerunning the same command does not start over again
@@ -196,7 +196,7 @@ FLAG_CASES = [
     (["--config.train.stepz=5"], "stepz", 'Did you mean "steps"'),
     (["--config.stages.pretrain.train.steps=2"], "stages.pretrain", "no field 'pretrain'"),
     (["--config.train.seed=-1"], "train.seed=-1", "2**32"),
-    (["--config.init_from=/tmp"], "init_from='/tmp'", "neither a stage workdir"),
+    (["--config.init_from=/tmp"], "init_from='/tmp'", "neither a stage or PPO workdir"),
     (["--config.train.batch_size=3"], "train.batch_size=3", "batch shards"),
     (["--config.train.seq_len=1"], "train.seq_len=1", ">= 2"),
     (["--config.model.mtp_depth=500"], "mtp_depth=500", "seq_len"),

@@ -11,7 +11,7 @@ Running the same command again resumes from the newest checkpoint in workdir (fi
 changed config stops with the list of changed fields (see glmjax/train/resume.py for train.on_config_change).
 Errors in the config, the flags, the data or the checkpoints end in one line on stderr and a non-zero exit status
 (2: config / flags / data, 3: no usable checkpoint, 1: stopped on a non-finite loss or a full disk); --debug adds
-the traceback.
+the traceback. SIGTERM / SIGINT checkpoint the last step trained and exit 0 (in set-up: one line, exit 0).
 """
 import os
 import sys
@@ -71,13 +71,14 @@ def main(argv):
 
     programs.enable(os.path.join(cache, "programs") if cache else None)  # compiled train steps, beside the cache
     from glmjax.config import ConfigError
+    from glmjax.data.read_ahead import Interrupted
     from glmjax.data.sources import DataError
     from glmjax.launch import run
     from glmjax.train.checkpoint import CheckpointError
     from glmjax.train.loop import DiskFull
 
     errors = {ConfigError: ("config error", 2), DataError: ("data error", 2), CheckpointError: ("checkpoint error", 3),
-              FloatingPointError: ("stopped", 1), DiskFull: ("stopped", 1)}
+              FloatingPointError: ("stopped", 1), DiskFull: ("stopped", 1), Interrupted: ("stopped", 0)}
     try:
         if FLAGS.dry_run:
             return dry_run(FLAGS.config)

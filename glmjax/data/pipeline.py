@@ -54,6 +54,7 @@ from glmjax.data.chat import ChatTemplate, Rendered, assistant_mask, conversatio
 from glmjax.data.hf_tokenizer import PREFIX
 from glmjax.data.packing import Block
 from glmjax.data.pretokenized import parse_tokens
+from glmjax.data.read_ahead import ReadAhead
 from glmjax.data.sources import FORMATS, SKIP_REASONS, DataError, Doc, Fields, Skip, open_source, parse, record
 from glmjax.data.tokenizer import TOKENIZERS, Tokenizer, make_tokenizer
 
@@ -235,10 +236,9 @@ class Pipeline:
         self.dataset = PackedBatches([order[r::batch_size].map(self._prepare) for r in slots], self._tokenize, slots,
                                      seq_len, max(cfg["shuffle_window_tokens"] // batch_size, seq_len),
                                      seed if cfg["shuffle"] else None, tokenizer.pad_id, fingerprint)
-        if cfg["prefetch"] and split == "train":
-            self.dataset = grain.experimental.ThreadPrefetchIterDataset(self.dataset,
-                                                                        prefetch_buffer_size=cfg["prefetch"])
         self._it = iter(self.dataset)
+        if cfg["prefetch"] and split == "train":
+            self._it = ReadAhead(self._it, cfg["prefetch"])
 
     def _chat_template(self, cfg: dict) -> ChatTemplate:
         tok = self.tokenizer
@@ -355,12 +355,15 @@ class Pipeline:
                 out.append(empty_batch(self.local_batch_size, self.seq_len, self.tokenizer.pad_id))
         return out
 
-    def start(self) -> None:
+    def start(self, interrupt=None) -> None:
         """Start preparing batches in the background thread now (with `prefetch` > 0), not at the first `next`: a
         training run calls this once its data position is restored, so that the first batch is ready when the
-        step has compiled. A later `set_state` discards what was prepared."""
-        if hasattr(self._it, "start_prefetch"):
-            self._it.start_prefetch()
+        step has compiled. A later `set_state` discards what was prepared. interrupt: () -> a signal's name or
+        None, asked while `next` waits for the thread (read_ahead.py: `Interrupted`)."""
+        if isinstance(self._it, ReadAhead):
+            if interrupt is not None:
+                self._it.interrupt = interrupt
+            self._it.start()
 
     def get_state(self) -> dict[str, Any]:
         """JSON-able state after the last batch returned."""
@@ -374,9 +377,20 @@ class Pipeline:
         """Counters up to the last batch returned (this process)."""
         return dict(self._it.get_state()["stats"])
 
+    @property
+    def totals(self) -> dict[str, int]:
+        """`stats` with every record read counted, by the prefetch thread ahead of the last batch returned included
+        (docs_read, skips and truncations; `read_ahead`: the documents read past that batch): what the run's
+        summary reports, so that no logged skip is missing from it."""
+        got = self.stats
+        ahead = dict((self._it.latest_state if isinstance(self._it, ReadAhead) else self._it.get_state())["stats"])
+        keys = ["docs_read", "skipped", "truncated", "truncated_tokens"] + [f"skipped_{r}" for r in SKIP_REASONS]
+        return {**got, **{k: ahead[k] for k in keys}, "read_ahead": ahead["docs_read"] - got["docs_read"]}
+
     def close(self) -> None:
         """Stops the prefetch thread (if any)."""
-        self._it.close()
+        if isinstance(self._it, ReadAhead):
+            self._it.close()
 
     def __repr__(self):
         return (f"Pipeline({self.source_name!r}, split={self.split}, {self.num_docs} docs, ~{self.num_tokens:,} "
@@ -505,6 +519,10 @@ class PackedBatchIterator(grain.DatasetIterator):
             k += 1
             first_epoch = slot.index + (k - 1) * fp["batch_size"] < fp["num_docs"]  # count each record once
             if isinstance(d, Skip):
+                if not docs and k - slot.start > 2 * fp["num_docs"]:  # two epochs of every slot: never ends
+                    raise DataError(f"data: {k - slot.start:,} records in a row are unusable (the last: {d.reason}, "
+                                    f"{d.detail}); the data has changed since the run started, or holds too few "
+                                    "usable records")
                 if count and first_epoch:
                     self.stats["skipped"] += 1
                     self.stats[f"skipped_{d.reason}"] += 1

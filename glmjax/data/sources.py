@@ -26,6 +26,7 @@ import json
 import mmap
 import os
 import sysconfig
+import time
 from typing import NamedTuple
 
 import numpy as np
@@ -86,28 +87,57 @@ class Skip(NamedTuple):
 # ------------------------------------------------------------------------------------------------ readers (one file)
 
 
-class TextFile:
+class Watched:
+    """A data file's identity (size, modification time, inode), taken when it is opened and checked at each read:
+    a file changed under a running job (rewritten, truncated, replaced) is a DataError naming it, never records read
+    from other bytes than those indexed at start."""
+
+    def watch(self, path: str, st: os.stat_result | None = None) -> None:
+        self.path, self.stamp = path, _stamp(st or os.stat(path))
+
+    def check(self, st: os.stat_result | None = None) -> None:
+        try:
+            now = _stamp(st or os.stat(self.path))
+        except FileNotFoundError:
+            now = None
+        if now != self.stamp:
+            (size, mtime, ino), what = self.stamp, "it was removed"
+            if now is not None:
+                what = (f"{size:,} -> {now[0]:,} bytes" if now[0] != size else "replaced by another file"
+                        if now[2] != ino else f"rewritten at {time.strftime('%H:%M:%S', time.localtime(now[1] / 1e9))}")
+            raise DataError(f"data file {self.path!r} changed while the run reads it ({what}); a run reads its data "
+                            "as it was when it started: restore the file or start a new run")
+
+
+def _stamp(st: os.stat_result) -> tuple[int, int, int]:
+    return st.st_size, st.st_mtime_ns, st.st_ino
+
+
+
+class TextFile(Watched):
     kind = "text"
 
     def __init__(self, path: str):
-        self.path, self.sizes = path, np.array([os.path.getsize(path)], np.int64)
+        self.watch(path)
+        self.sizes = np.array([self.stamp[0]], np.int64)
 
     def __len__(self):
         return 1
 
     def read(self, i: int) -> bytes:
         with open(self.path, "rb") as f:
+            self.check(os.fstat(f.fileno()))
             return f.read()
 
 
-class JsonlFile:
+class JsonlFile(Watched):
     """Lines with at least one byte other than the line break are records; numbered by their line in the file."""
     kind = "json"
 
     def __init__(self, path: str):
-        self.path = path
         with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
+            self.watch(path, os.fstat(f.fileno()))
+            size = self.stamp[0]
             if size:
                 with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
                     data = np.frombuffer(m, np.uint8)
@@ -130,11 +160,12 @@ class JsonlFile:
 
     def read(self, i: int) -> bytes:
         with open(self.path, "rb") as f:
+            self.check(os.fstat(f.fileno()))
             f.seek(int(self.starts[i]))
             return f.read(int(self.stops[i] - self.starts[i]))
 
 
-class ParquetFile:
+class ParquetFile(Watched):
     """Rows of the needed columns. Parquet has no random access below a row group, and documents are read in a
     shuffled order, so the needed columns of the whole file are read on first use and kept (as Arrow arrays: about
     the size of the text). For corpora larger than memory use ArrayRecord, which reads single records."""
@@ -143,6 +174,7 @@ class ParquetFile:
     def __init__(self, path: str, columns: tuple[str, ...], optional: tuple[str, ...] = ()):
         import pyarrow.parquet as pq
 
+        self.watch(path)
         self.file = pq.ParquetFile(path)
         names = self.file.schema_arrow.names
         missing = [c for c in columns if c not in names]
@@ -159,15 +191,17 @@ class ParquetFile:
         return self.file.metadata.num_rows
 
     def read(self, i: int) -> dict:
-        if self._table is None:
+        if self._table is None:  # read whole once: what changes later is not read
+            self.check()
             self._table = self.file.read(columns=list(self.columns))
         return {c: self._table.column(c)[i].as_py() for c in self.columns}
 
 
-class ArrayRecordFile:
+class ArrayRecordFile(Watched):
     def __init__(self, path: str, kind: str):
         import grain
 
+        self.watch(path)
         self.kind, self.source = kind, grain.sources.ArrayRecordDataSource([path])
         n = len(self.source)
         self.sizes = np.full(n, os.path.getsize(path) // max(n, 1), np.int64)
@@ -176,6 +210,7 @@ class ArrayRecordFile:
         return len(self.source)
 
     def read(self, i: int) -> bytes:
+        self.check()
         return self.source[i]
 
 

@@ -32,6 +32,7 @@ from flax import nnx
 
 from glmjax.config import ConfigError, ModelConfig
 from glmjax.data import default_data_config, make_pipeline, validate_data_config
+from glmjax.data.read_ahead import Interrupted
 from glmjax.flops import flops_per_token
 from glmjax.hardware import chip_of_device
 from glmjax.model.transformer import GLM, Batch
@@ -207,17 +208,20 @@ def train(config, workdir: str, progress: bool = True) -> dict:
     finished = prepare_workdir(workdir, config)
     if finished is not None:
         return finished
-    run = setup(config, workdir, cfg, data_cfg, stage)
-    try:
-        restore(run)
-        run.data.start()  # the first batch is prepared while the train step finishes compiling
-        run.train_step = run.train_step.result()
-    except BaseException:
-        run.train_step.join()  # never leave a compile running behind an error (the step's own error: joined)
-        run.ckpt.close()
-        run.data.close()  # and no prefetch thread
-        raise
-    with stop_signals() as stop:
+    with stop_signals() as stop:  # from here on SIGTERM / SIGINT stop the run cleanly, in set-up too
+        run = setup(config, workdir, cfg, data_cfg, stage)
+        try:
+            restore(run)
+            run.data.start(interrupt=lambda: stop["signal"])  # the first batch is prepared while the step compiles
+            run.train_step = run.train_step.result()
+            if stop["signal"]:
+                raise Interrupted(f"{stop['signal']} during set-up, before step {run.start_step + 1}: nothing new to "
+                                  "checkpoint; the same command resumes")
+        except BaseException:
+            run.train_step.join()  # never leave a compile running behind an error (the step's own error: joined)
+            run.ckpt.close()
+            run.data.close()  # and no prefetch thread
+            raise
         summary: dict = {"stage": config.stage, "params": run.n_all, "trainable_params": run.n_train,
                          "start_step": run.start_step, "setup_s": time.perf_counter() - t0, "skipped_steps": 0}
         records = iterate(run, summary, stop, progress, t0)
@@ -392,7 +396,11 @@ def iterate(run: StageRun, summary: dict, stop: dict, progress: bool, t0: float)
             checkpoints = CheckpointHook(run.save, t.checkpoint_every, t.steps, stop, log)
             for step in range(run.start_step + 1, t.steps + 1):
                 run.step = step
-                m = one_step(run, step, records, log, summary)
+                try:
+                    m = one_step(run, step, records, log, summary)
+                except Interrupted as e:  # while waiting for the data thread: step - 1 was the last one trained
+                    summary["interrupted"] = interrupted_between_steps(run, step - 1, str(e), log)
+                    break
                 log.bar.update(1)
                 records(step, m)
                 if evals:
@@ -416,6 +424,17 @@ def iterate(run: StageRun, summary: dict, stop: dict, progress: bool, t0: float)
                            + ". Free space and rerun the same command to resume") from failure
         raise failure
     return records
+
+
+def interrupted_between_steps(run: StageRun, done: int, signame: str, log: MetricsLog) -> str:
+    """A signal caught while the next batch was not ready: checkpoint step `done` (unless it was just saved, or
+    nothing was trained) and say so -> the signal's name."""
+    t = run.config.train
+    run.step = done
+    if done > run.start_step and not due(done, t.checkpoint_every, t.steps):
+        run.save(done)
+    log.message(f"{signame}: the next batch was not ready; checkpoint at step {done}; stopping")
+    return signame
 
 
 def one_step(run: StageRun, step: int, records: StepRecords, log: MetricsLog, summary: dict) -> dict:
@@ -499,7 +518,7 @@ def finish(run: StageRun, summary: dict, records: StepRecords, t0: float) -> dic
             summary["last_loss"] = last_logged_loss(os.path.join(run.workdir, "metrics.jsonl"), run.step)
         if run.eval_set and "eval_loss" not in summary:
             summary.update(run.evaluate())
-    summary["data"] = run.data.stats
+    summary["data"] = run.data.totals
     summary["wall_s"] = time.perf_counter() - t0
     if not summary.get("interrupted") and jax.process_index() == 0:
         with open(os.path.join(run.workdir, "summary.json"), "w") as f:

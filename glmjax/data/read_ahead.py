@@ -1,0 +1,102 @@
+"""Batches prepared ahead in a thread that can never hold the run hostage.
+
+`ReadAhead(it, depth)` wraps a checkpointable iterator (`next`, `get_state`, `set_state`): a daemon thread keeps up
+to `depth` batches ready, each with the iterator's state after it. The consumer's state is the state after the last
+batch it took, so a checkpoint never includes what was only read ahead. The consumer waits in short slices and asks
+`interrupt()` in between: a caught SIGTERM / SIGINT ends the wait with `Interrupted` within a fraction of a second,
+whatever the thread is doing (reading a file that hangs, skipping bad records); the thread is a daemon and never
+joined after that. An error in the thread (a DataError) is raised in the consumer, at the batch it would have
+produced. `latest_state` is the thread's newest state: its counters include the batches read ahead.
+"""
+from __future__ import annotations
+
+import copy
+import queue
+import threading
+from typing import Any, Callable
+
+POLL_S = 0.1  # how often a waiting consumer asks interrupt()
+
+
+class Interrupted(Exception):
+    """A caught signal ended the wait for the next batch; args[0] is the signal's name."""
+
+
+class ReadAhead:
+    def __init__(self, it, depth: int):
+        self.it, self.depth = it, depth
+        self.state = copy.deepcopy(it.get_state())  # after the last batch taken
+        self.latest_state = self.state  # after the last batch read (ahead)
+        self.interrupt: Callable[[], str | None] = lambda: None
+        self._queue: queue.Queue | None = None
+        self._stop: threading.Event | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Start the thread now (at the latest on the first `next`)."""
+        if self._queue is not None:
+            return
+        self._queue, self._stop = queue.Queue(self.depth), threading.Event()
+        self._thread = threading.Thread(target=self._fill, args=(self._queue, self._stop), name="glmjax-read-ahead",
+                                        daemon=True)
+        self._thread.start()
+
+    def _fill(self, q: queue.Queue, stop: threading.Event) -> None:
+        while not stop.is_set():
+            try:
+                item = ("batch", next(self.it), copy.deepcopy(self.it.get_state()))
+                self.latest_state = item[2]
+            except StopIteration:
+                item = ("end", None, None)
+            except BaseException as e:  # noqa: BLE001 -- raised in the consumer
+                item = ("error", e, None)
+            while not stop.is_set():
+                try:
+                    q.put(item, timeout=POLL_S)
+                    break
+                except queue.Full:
+                    pass
+            if item[0] != "batch":
+                return
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        self.start()
+        while True:
+            signame = self.interrupt()
+            if signame:
+                raise Interrupted(signame)
+            try:
+                kind, value, state = self._queue.get(timeout=POLL_S)
+                break
+            except queue.Empty:
+                pass
+        if kind == "error":
+            self._queue.put((kind, value, state))  # every later `next` raises it too
+            raise value
+        if kind == "end":
+            self._queue.put((kind, value, state))
+            raise StopIteration
+        self.state = state
+        return value
+
+    def get_state(self) -> dict[str, Any]:
+        return copy.deepcopy(self.state)
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Continue after `state`: what was read ahead is dropped (the thread is stopped, after the batch it is
+        reading; a new one starts at the next `next`)."""
+        thread = self._thread
+        self.close()
+        if thread is not None:
+            thread.join()
+        self.it.set_state(copy.deepcopy(state))
+        self.state = self.latest_state = copy.deepcopy(self.it.get_state())
+
+    def close(self) -> None:
+        """Stop the thread (it ends at its next batch; a thread blocked in a read is left behind: a daemon)."""
+        if self._stop is not None:
+            self._stop.set()
+        self._queue = self._stop = self._thread = None
