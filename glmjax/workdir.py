@@ -16,9 +16,13 @@ import warnings
 import zlib
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 MANIFEST = "manifest.json"
+UNSEALED = ".unsealed"  # workdir/.unsealed/<step>: written before a step is saved, removed once its manifest is
+NEVER_SEALED = ("never sealed (the run stopped after orbax committed the step, before its manifest was written): "
+                "its bytes cannot be verified")
 
 
 def file_crc32(path: str) -> int:
@@ -48,12 +52,19 @@ def write_manifest(step_dir: str) -> None:
     os.replace(tmp, os.path.join(step_dir, MANIFEST))
 
 
+def unsealed_marker(step_dir: str) -> str:
+    """workdir/.unsealed/<step> of workdir/checkpoints/<step>."""
+    checkpoints = os.path.dirname(os.path.abspath(step_dir))
+    return os.path.join(os.path.dirname(checkpoints), UNSEALED, os.path.basename(os.path.abspath(step_dir)))
+
+
 def verify_manifest(step_dir: str, item: str | None = None) -> str | None:
     """None if every file of the step (of its `item` only, e.g. "meta") matches its manifest, else what is wrong
-    (naming the file). A step without a manifest -> "unsealed" (the caller decides)."""
+    (naming the file). A step without a manifest: NEVER_SEALED when its writer marked it (`unsealed_marker`: a
+    damaged step), else "unsealed" (written before manifests existed: the caller decides)."""
     path = os.path.join(step_dir, MANIFEST)
     if not os.path.exists(path):
-        return "unsealed"
+        return NEVER_SEALED if os.path.exists(unsealed_marker(step_dir)) else "unsealed"
     try:
         with open(path) as f:
             files = json.load(f)["files"]
@@ -93,6 +104,14 @@ def newest_meta(workdir: str) -> tuple[int, dict] | None:
                     return step, json.load(f)
             except (OSError, ValueError):
                 pass
+    return None
+
+
+def first_non_finite(tree) -> str | None:
+    """The key path of the first floating-point array of `tree` holding a NaN or an infinity, or None."""
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if jnp.issubdtype(x.dtype, jnp.floating) and not bool(jnp.all(jnp.isfinite(x))):
+            return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
     return None
 
 
@@ -144,7 +163,10 @@ def load_model_state(workdir: str, sharding=None) -> tuple[dict, dict, int]:
                     target = restore_target(os.path.join(directory, str(step), "model"), sharding)
                     r = manager.restore(step, args=ocp.args.Composite(model=ocp.args.StandardRestore(target),
                                                                       meta=ocp.args.JsonRestore()))
-                    return r.model, r.meta, step
+                    bad = first_non_finite(r.model)
+                    if bad is None:
+                        return r.model, r.meta, step
+                    problem = f"tensor {bad} holds non-finite values"
                 except Exception as e:  # noqa: BLE001
                     problem = f"unreadable ({short_error(e)})"
             warnings.warn(f"checkpoint {directory}/{step} is damaged and was skipped: {problem}", stacklevel=2)

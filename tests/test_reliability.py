@@ -95,6 +95,22 @@ def test_sigterm_writes_a_checkpoint_and_exits_0(reference, tmp_path):
 
 
 @pytest.mark.slow
+def test_sigterm_during_set_up_is_one_line_and_exit_0(tmp_path):
+    """SIGTERM while the stage is being set up (its data pipeline printed, the step compiling): one line, exit 0,
+    no step trained."""
+    workdir = str(tmp_path)
+    p = launch(workdir)
+    for line in p.stdout:
+        if line.startswith("data: "):
+            break
+    p.send_signal(signal.SIGTERM)
+    rc, out = finish(p)
+    assert rc == 0 and out.strip().splitlines()[-1] == "stopped: SIGTERM during set-up, before step 1: nothing new " \
+        "to checkpoint; the same command resumes", out[-3000:]
+    assert "Traceback" not in out and not os.path.exists(os.path.join(workdir, "metrics.jsonl"))
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_fault_injection_kill9_resume_bitwise(reference, tmp_path):
     """bench/fault_injection.py: kill -9 at a random moment mid-training (seeded), the workdir resumed to the end;

@@ -12,11 +12,15 @@ cannot be read; damaged steps newer than the one restored are moved to workdir/c
 inspection) so the run can write those steps again. Nothing else is ever moved: a `check_meta` callback sees each
 step's metadata before its arrays are read and may refuse it (a changed config), which stops the restore with
 that error. When every step is damaged, `CheckpointError` is raised and all of them stay where they are.
-A step without a manifest (written before manifests existed, or the run was killed between orbax's commit and
-the manifest) is read without checksum verification, with a warning.
+A step counts as committed once sealed: before saving it the writer marks it (workdir/.unsealed/<step>) and
+removes the mark with the manifest, so a step whose run was killed between orbax's commit and its manifest is
+damaged (never trusted unverified). Only a step without a manifest or a mark (written before manifests existed) is
+read without checksum verification, with a warning. A restored step whose weights or optimizer state hold a NaN
+or an infinity is damaged too, the tensor named.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -28,8 +32,9 @@ import jax
 import orbax.checkpoint as ocp
 
 # the read side (manifests, the newest intact model state) is glmjax/workdir.py's; re-exported for its users here
-from glmjax.workdir import (MANIFEST, file_crc32, intact_steps, load_model_state, newest_meta,  # noqa: F401
-                            short_error, step_files, verify_manifest, write_manifest)
+from glmjax.workdir import (MANIFEST, file_crc32, first_non_finite, intact_steps, load_model_state,  # noqa: F401
+                            NEVER_SEALED, newest_meta, short_error, step_files, unsealed_marker, verify_manifest,
+                            write_manifest)
 
 ITEMS = ("model", "opt_state", "data", "meta")
 
@@ -110,8 +115,16 @@ class Checkpoints:
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
         self._unsealed: list[int] = []
         self._closed = False
+        for step in self.steps():  # a run killed between orbax's commit and the seal: the step never counted
+            if verify_manifest(self.step_dir(step)) == NEVER_SEALED:
+                warnings.warn(f"checkpoint {self.step_dir(step)} was {NEVER_SEALED}; it does not count", stacklevel=2)
+                self._set_aside(step)
 
     def save(self, step: int, model_state, opt_state, data_state: dict, meta: dict) -> None:
+        if jax.process_index() == 0:  # the step counts as committed once sealed: until then it is never trusted
+            marker = unsealed_marker(self.step_dir(step))
+            os.makedirs(os.path.dirname(marker), exist_ok=True)
+            open(marker, "w").close()
         self.manager.save(step, force=True, args=ocp.args.Composite(
             model=ocp.args.StandardSave(model_state), opt_state=ocp.args.StandardSave(opt_state),
             data=ocp.args.JsonSave(data_state), meta=ocp.args.JsonSave(meta)))
@@ -128,6 +141,7 @@ class Checkpoints:
         for step in steps:
             if step in existing and jax.process_index() == 0:
                 write_manifest(self.step_dir(step))
+                self._unmark(step)
 
     def wait(self) -> None:
         self.manager.wait_until_finished()
@@ -166,6 +180,8 @@ class Checkpoints:
                         model=ocp.args.StandardRestore(_abstract(model_state)),
                         opt_state=ocp.args.StandardRestore(_abstract(opt_state)),
                         data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore()))
+                    bad = first_non_finite({"model": r.model, "opt_state": r.opt_state})
+                    problem = None if bad is None else f"tensor {bad} holds non-finite values"
                 except Exception as e:  # noqa: BLE001
                     problem = f"unreadable ({short_error(e)})"
             if problem is not None:
@@ -189,8 +205,16 @@ class Checkpoints:
             os.makedirs(aside, exist_ok=True)
             target = os.path.join(aside, f"{step}.{time.time():.0f}")
             shutil.move(self.step_dir(step), target)
+            self._unmark(step)
             warnings.warn(f"checkpoint step {step} moved to {target}", stacklevel=3)
         self.manager.reload()
+
+    def _unmark(self, step: int) -> None:
+        marker = unsealed_marker(self.step_dir(step))
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(marker)
+        with contextlib.suppress(OSError):  # the folder exists only while a step is unsealed
+            os.rmdir(os.path.dirname(marker))
 
     def close(self) -> None:
         """Wait for the saves, write their manifests and close; a second call does nothing."""

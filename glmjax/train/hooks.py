@@ -73,19 +73,29 @@ class EvalHook:
         return time.perf_counter() - t
 
 
+_ACTIVE: list[dict] = []  # the entered stop_signals' dict (nested entries share it)
+
+
 @contextlib.contextmanager
 def stop_signals():
     """While entered, SIGTERM and SIGINT do not kill the process: they set stop["signal"] (the signal's name), for
-    the loop to stop at the end of its step (`CheckpointHook`). The previous handlers come back on exit."""
+    the loop to stop at the end of its step (`CheckpointHook`). The previous handlers come back on exit. Entered
+    again inside (train.py holds it from the start; each stage enters it too), it yields the same dict: a signal
+    caught during set-up is seen by the stage."""
+    if _ACTIVE:
+        yield _ACTIVE[0]
+        return
     stop = {"signal": None}
 
     def on_signal(signum, frame):
         stop["signal"] = signal.Signals(signum).name
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    _ACTIVE.append(stop)
     try:
         yield stop
     finally:
+        _ACTIVE.clear()
         for s, h in old.items():
             signal.signal(s, h)
 

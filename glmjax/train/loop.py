@@ -213,15 +213,18 @@ def train(config, workdir: str, progress: bool = True) -> dict:
         try:
             restore(run)
             run.data.start(interrupt=lambda: stop["signal"])  # the first batch is prepared while the step compiles
-            run.train_step = run.train_step.result()
-            if stop["signal"]:
-                raise Interrupted(f"{stop['signal']} during set-up, before step {run.start_step + 1}: nothing new to "
-                                  "checkpoint; the same command resumes")
+            compiled = run.train_step.result()
         except BaseException:
             run.train_step.join()  # never leave a compile running behind an error (the step's own error: joined)
             run.ckpt.close()
             run.data.close()  # and no prefetch thread
             raise
+        run.train_step = compiled
+        if stop["signal"]:
+            run.ckpt.close()
+            run.data.close()
+            raise Interrupted(f"{stop['signal']} during set-up, before step {run.start_step + 1}: nothing new to "
+                              "checkpoint; the same command resumes")
         summary: dict = {"stage": config.stage, "params": run.n_all, "trainable_params": run.n_train,
                          "start_step": run.start_step, "setup_s": time.perf_counter() - t0, "skipped_steps": 0}
         records = iterate(run, summary, stop, progress, t0)

@@ -31,7 +31,7 @@ FREE = {"train.steps", "train.log_every", "train.eval_every", "train.eval_batche
         # the PPO stage's (glmjax/rl/config.py) equivalents
         "ppo.steps", "ppo.log_every", "ppo.eval_every", "ppo.eval_problems", "ppo.eval_samples", "ppo.save_policy",
         "ppo.checkpoint_every", "ppo.keep_checkpoints", "ppo.async_checkpoints", "ppo.on_config_change"}
-RUN_FILES = ("checkpoints", "metrics.jsonl", "summary.json", "interceptions.jsonl", "policy")
+RUN_FILES = ("checkpoints", ".unsealed", "metrics.jsonl", "summary.json", "interceptions.jsonl", "policy")
 
 
 class ConfigMismatch(ConfigError):
