@@ -19,10 +19,16 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
+from glmjax.orbax_noise import OrbaxNoise, quiet_orbax
+
 MANIFEST = "manifest.json"
 UNSEALED = ".unsealed"  # workdir/.unsealed/<step>: written before a step is saved, removed once its manifest is
 NEVER_SEALED = ("never sealed (the run stopped after orbax committed the step, before its manifest was written): "
                 "its bytes cannot be verified")
+
+
+class CheckpointError(RuntimeError):
+    """No usable checkpoint where one is needed; the message names the checkpoints and what is wrong with each."""
 
 
 def file_crc32(path: str) -> int:
@@ -153,6 +159,7 @@ def load_model_state(workdir: str, sharding=None) -> tuple[dict, dict, int]:
     directory = os.path.join(os.path.abspath(workdir), "checkpoints")
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"{workdir}: no checkpoints directory {directory}")
+    quiet_orbax()
     manager = ocp.CheckpointManager(directory, item_names=("model", "meta"))
     problems = []
     try:
@@ -169,10 +176,11 @@ def load_model_state(workdir: str, sharding=None) -> tuple[dict, dict, int]:
                     problem = f"tensor {bad} holds non-finite values"
                 except Exception as e:  # noqa: BLE001
                     problem = f"unreadable ({short_error(e)})"
+                    OrbaxNoise.count = 0  # the reports of this read error: it is named in the warning below
             warnings.warn(f"checkpoint {directory}/{step} is damaged and was skipped: {problem}", stacklevel=2)
             problems.append(f"step {step}: {problem}")
     finally:
         manager.close()
-    raise FileNotFoundError(f"{workdir}: no intact checkpoint in {directory}"
-                            + (f" ({'; '.join(problems)})" if problems else ""))
+    raise CheckpointError(f"{workdir}: no intact checkpoint in {directory}"
+                          + (f" ({'; '.join(problems)})" if problems else ""))
 

@@ -451,7 +451,7 @@ def test_more_config_rules(tmp_path):
     (tmp_path / "x.txt").write_text("x")
     with pytest.raises(ConfigError, match="data.format='text': plain-text records have no prompt/response"):
         validate_data_config({"path": str(tmp_path), "format": "text", "prompt_field": "q", "response_field": "a"})
-    with pytest.raises(ValueError, match="needs data.eval_fraction > 0"):
+    with pytest.raises(ValueError, match="no held-out documents, and evaluation needs some"):
         make_pipeline(cfg(tmp_path), 16, 1, seed=0, split="eval")
 
 

@@ -257,7 +257,7 @@ def test_orbax_errors_left_unraised_are_dropped_and_others_are_not():
     when garbage-collected, at a moment that depends on timing) -- and passes every other unraisable on."""
     import types
 
-    from glmjax.train import checkpoint
+    from glmjax import orbax_noise
 
     def unraisable(code_path, exc):
         try:
@@ -267,12 +267,12 @@ def test_orbax_errors_left_unraised_are_dropped_and_others_are_not():
                                          err_msg=None, object=None)
 
     seen = []
-    hook = checkpoint._closed_loop_unraisable(seen.append)
+    hook = orbax_noise._closed_loop_unraisable(seen.append)
     orbax_file = os.path.join(os.sep, "site-packages", "orbax", "checkpoint", "serialization.py")
-    before = checkpoint._OrbaxNoise.count
+    before = orbax_noise.OrbaxNoise.count
     hook(unraisable(orbax_file, Exception("Encountered error while reading array index")))
     hook(unraisable("elsewhere.py", RuntimeError("Event loop is closed")))
-    assert seen == [] and checkpoint._OrbaxNoise.count == before + 2
+    assert seen == [] and orbax_noise.OrbaxNoise.count == before + 2
     other = unraisable("elsewhere.py", ValueError("a user's error"))
     hook(other)
     assert seen == [other]

@@ -75,7 +75,9 @@ def test_reward_and_tools_by_import_path(tmp_path, monkeypatch):
         "def half(response, problem):\n    return 0.5\n"
         "def text(response, problem):\n    return 'good'\n"
         "def nan(response, problem):\n    return float('nan')\n"
+        "def ratio(response, problem):\n    return 1 / len(problem.answer)\n"
         "TOOLS = {'lookup': lambda arg, problem: arg.upper()}\n")
+    (tmp_path / "user_broken.py").write_text("def f(response, problem):\n    return 1.0\nvalue = undefined_name\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     sys.modules.pop("user_rl", None)
     assert resolve_callable("user_rl:half", REWARDS, "reward")("x", None) == 0.5
@@ -83,6 +85,9 @@ def test_reward_and_tools_by_import_path(tmp_path, monkeypatch):
         resolve_callable("user_rl:nope", REWARDS, "reward")
     with pytest.raises(ConfigError, match=r"ppo.reward='no_such_module:f': cannot import \(ModuleNotFoundError"):
         resolve_callable("no_such_module:f", REWARDS, "reward")
+    with pytest.raises(ConfigError, match=r"ppo.reward='user_broken:f': cannot import \(NameError: name "
+                                          "'undefined_name' is not defined"):  # the module's own code raised
+        resolve_callable("user_broken:f", REWARDS, "reward")
     with pytest.raises(ConfigError, match=r"ppo.reward='user_rl:LIMIT': is a int, not a function"):
         resolve_callable("user_rl:LIMIT", REWARDS, "reward")
     assert resolve_tools("user_rl:TOOLS")["lookup"]("ab", None) == "AB"
@@ -92,9 +97,15 @@ def test_reward_and_tools_by_import_path(tmp_path, monkeypatch):
     for name, shown in (("text", r"'good' \(str\)"), ("nan", r"nan \(float\)")):
         env = SingleTurnEnv(problem, resolve_callable(f"user_rl:{name}", REWARDS, "reward"))
         env.step([ord("x"), 257])
-        with pytest.raises(ValueError, match=rf"reward user_rl:{name} returned {shown} for p.jsonl:7: must be a "
-                                             "finite number"):
+        with pytest.raises(ConfigError, match=rf"reward user_rl:{name} returned {shown} for p.jsonl:7: must be a "
+                                              "finite number"):
             env.reward()
+    env = SingleTurnEnv(Problem("q", "", {"prompt": "q"}, "p.jsonl:9"), resolve_callable("user_rl:ratio", REWARDS,
+                                                                                          "reward"))
+    env.step([ord("x"), 257])  # a row whose answer is empty: the user's function divides by zero
+    with pytest.raises(ConfigError, match=r"^reward user_rl:ratio raised ZeroDivisionError \(division by zero\) on "
+                                          r"p.jsonl:9$"):
+        env.reward()
 
 
 def test_ppo_config_rules_for_user_tasks():

@@ -9,7 +9,7 @@ The prompt is encoded with BOS and without EOS; with --chat it is one user messa
 template with add_generation_prompt=True (no BOS added: the template writes its own). Generation stops at the
 tokenizer's EOS or after --max-new-tokens; the decoded answer is printed. Temperature 0 is greedy. --speculative D
 (greedy only) drafts D tokens per step with the model's MTP layer and verifies them in one pass of the main model:
-the same tokens, fewer passes. Errors end in one line on stderr and exit status 2.
+the same tokens, fewer passes. Errors end in one line on stderr and exit status 2 (3: no intact checkpoint).
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from glmjax.data.chat import ChatTemplate
 from glmjax.data.tokenizer import make_tokenizer
 from glmjax.infer import Decoder, generate
 from glmjax.resolve import load_model
+from glmjax.workdir import CheckpointError
 
 
 def prompt_ids(tokenizer, prompt: str, chat: bool) -> list[int]:
@@ -68,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{tokenizer.vocab_size} (the model's is {model.cfg.vocab_size}) and are left out of the text",
                   file=sys.stderr)
         print(tokenizer.decode(known))
+    except CheckpointError as e:  # SafetensorsFormatError (a damaged file) is one
+        print(f"checkpoint error: {e}", file=sys.stderr)
+        return 3
     except (FileNotFoundError, ValueError) as e:  # ConfigError, DataError, HFCheckpointError are ValueErrors
         print(f"error: {e}", file=sys.stderr)
         return 2

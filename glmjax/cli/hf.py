@@ -5,8 +5,8 @@
   glmjax-hf export  SRC HF_DIR        # SRC: an import, a stage or PPO workdir, a PPO run's policy/ (glmjax/resolve.py)
 
 export writes the source's key names, dtypes and config.json when it has an hf_layout.json (an import), or those of
---layout IMPORT_DIR (e.g. the import a training run started from). Errors of `export` end in one line on stderr and
-exit status 2.
+--layout IMPORT_DIR (e.g. the import a training run started from). Errors end in one line on stderr (a checkpoint
+that does not match the model: one line per tensor) and exit status 2 (3: no intact checkpoint, a damaged file).
 """
 from __future__ import annotations
 
@@ -19,11 +19,11 @@ import sys
 from flax import nnx
 
 from glmjax.cli.runtime import configure_jax
-from glmjax.config import ConfigError
 from glmjax.interop import keymap
 from glmjax.interop.hf import HFLayout, check_hf, load_hf, save_hf
 from glmjax.model import GLM
 from glmjax.resolve import build, load, write_import
+from glmjax.workdir import CheckpointError
 
 
 def _parse_overrides(items: list[str]) -> dict:
@@ -73,33 +73,39 @@ def main(argv: list[str] | None = None) -> int:
     configure_jax(args.compilation_cache)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
-    if args.cmd in ("inspect", "import"):
-        eps = None if args.latent_norm_eps == "rms_norm_eps" else float(args.latent_norm_eps)
-        overrides = _parse_overrides(args.set)
-        if args.cmd == "inspect":
-            cfg, notes = check_hf(args.hf_dir, latent_norm_eps=eps, honour_rope_flags=args.honour_rope_flags,
-                                  overrides=overrides)
-            print(json.dumps(cfg.to_json_dict(), indent=1))
-            for n in notes:
-                print("note:", n)
-            return 0
-        if os.path.exists(os.path.join(args.out_dir, "state")) and not args.overwrite:
-            print(f"error: {args.out_dir} already holds an import (state/); --overwrite replaces it", file=sys.stderr)
-            return 2
-        model, layout = load_hf(args.hf_dir, latent_norm_eps=eps, honour_rope_flags=args.honour_rope_flags,
-                                overrides=overrides)
-        write_import(args.out_dir, nnx.state(model), model.cfg, layout)
-        print(f"imported {args.hf_dir} -> {args.out_dir}")
-        return 0
-
     try:
+        return run(args)
+    except CheckpointError as e:  # SafetensorsFormatError (a damaged file) is one
+        print(f"checkpoint error: {e}", file=sys.stderr)
+        return 3
+    except (FileNotFoundError, ValueError) as e:  # ConfigError, HFCheckpointError
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def run(args) -> int:
+    """The parsed command -> exit status."""
+    if args.cmd == "export":
         model, layout = export_model(args.ckpt_dir, args.layout)
         files = save_hf(model, args.hf_dir, layout, model_type=args.model_type, dtype=args.dtype,
                         max_shard_size=args.max_shard_size, overwrite=args.overwrite)
-    except (FileNotFoundError, ConfigError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"exported {args.ckpt_dir} -> {args.hf_dir}: {', '.join(files)}")
+        print(f"exported {args.ckpt_dir} -> {args.hf_dir}: {', '.join(files)}")
+        return 0
+    eps = None if args.latent_norm_eps == "rms_norm_eps" else float(args.latent_norm_eps)
+    overrides = _parse_overrides(args.set)
+    if args.cmd == "inspect":
+        cfg, notes = check_hf(args.hf_dir, latent_norm_eps=eps, honour_rope_flags=args.honour_rope_flags,
+                              overrides=overrides)
+        print(json.dumps(cfg.to_json_dict(), indent=1))
+        for n in notes:
+            print("note:", n)
+        return 0
+    if os.path.exists(os.path.join(args.out_dir, "state")) and not args.overwrite:
+        raise FileNotFoundError(f"{args.out_dir} already holds an import (state/); --overwrite replaces it")
+    model, layout = load_hf(args.hf_dir, latent_norm_eps=eps, honour_rope_flags=args.honour_rope_flags,
+                            overrides=overrides)
+    write_import(args.out_dir, nnx.state(model), model.cfg, layout)
+    print(f"imported {args.hf_dir} -> {args.out_dir}")
     return 0
 
 

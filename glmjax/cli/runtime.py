@@ -19,10 +19,13 @@
   for accelerator type", "INVALID_ARGUMENT: Error: unexpected worker hostname ...") before falling back to the CPU.
   Where no TPU and no GPU is attached and no platform was asked for, JAX is told to use the CPU. Ahead-of-time
   compiles for a TPU topology (`--dry-run --topology=...`) still load libtpu when they ask for it.
+- **Warnings in one line**: `warning: <message>`, not Python's file:line and source line (a damaged checkpoint
+  skipped, a deprecation), so that an error ends a run's output in one line of its own.
 """
 from __future__ import annotations
 
 import os
+import warnings
 
 
 def default_cache_dir() -> str:
@@ -38,6 +41,7 @@ def configure_jax(compilation_cache: str | None = None) -> str | None:
     that directory. -> the cache directory in use (None if off)."""
     import jax
 
+    warnings.formatwarning = lambda message, *_, **__: f"warning: {message}\n"
     cpu_unless_accelerator()
     if compilation_cache is None and jax.config.jax_compilation_cache_dir:
         return jax.config.jax_compilation_cache_dir

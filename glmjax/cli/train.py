@@ -14,6 +14,7 @@ Errors in the config, the flags, the data or the checkpoints end in one line on 
 the traceback. SIGTERM / SIGINT checkpoint the last step trained and exit 0 (in set-up: one line, exit 0).
 """
 import os
+import re
 import sys
 
 from absl import app, flags, logging
@@ -42,17 +43,38 @@ def parse_flags(argv):
         print(FLAGS.module_help(__name__))
         sys.exit(0)
     try:
-        return FLAGS(argv)
+        rest = FLAGS(argv)
+        "stage" in FLAGS.config  # noqa: B015 -- a config file that did not load fails here, not at first use
+        return rest
     except flags.Error as e:
         fail(f"flag error: {e}", 2)
+    except OSError as e:  # ml_collections: the file is missing, or failed to load
+        config_file_error(e, argv)
     except (KeyError, AttributeError, TypeError, ValueError) as e:
         if "--debug" in argv:
             raise
-        text = str(e.args[0] if e.args else e).replace("\\'", "'").strip("'\"")
-        name = text.split("'")[1] if text.count("'") >= 2 else text.split("\n")[0]
+        inner = e.args[0] if e.args else e
+        text = str(inner.args[0] if isinstance(inner, KeyError) and inner.args else inner)
+        text = text.replace("\\'", "'")
+        quoted = re.search(r"'([^'\n]+)'", text)
+        name = quoted.group(1) if quoted else text.split("\n")[0].strip("'\"")
         culprit = next((a for a in argv[1:] if name in a), "a --config override")
         fail(f"flag error: {culprit}: no field {name!r} in this config"
              + (f" ({text.splitlines()[-1]})" if "Did you mean" in text else ""), 2)
+    except Exception as e:  # noqa: BLE001 -- raised by the config file's own code
+        config_file_error(e, argv)
+
+
+def config_file_error(e: Exception, argv: list[str]):
+    """A --config file that does not load (missing, or its code raised): one line naming it and the first cause."""
+    if "--debug" in argv:
+        raise e
+    root = e
+    while root.__cause__ or root.__context__:
+        root = root.__cause__ or root.__context__
+    given = next((a for a in argv[1:] if a.startswith("--config=")), "--config")
+    text = str(root).strip().splitlines()
+    fail(f"flag error: {given}: the config file does not load ({type(root).__name__}: {text[-1] if text else ''})", 2)
 
 
 def fail(message: str, code: int):

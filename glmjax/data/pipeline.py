@@ -419,7 +419,8 @@ def make_pipeline(data_cfg, seq_len: int, batch_size: int, seed: int, split: str
     if split not in SPLITS:
         raise ValueError(f"split={split!r}: must be one of {SPLITS}")
     if split == "eval" and not cfg["eval_fraction"]:
-        raise ValueError("split='eval' needs data.eval_fraction > 0 (no held-out documents)")
+        raise ConfigError(f"data.eval_fraction={cfg['eval_fraction']}: no held-out documents, and evaluation needs "
+                          "some (set data.eval_fraction > 0, or train.eval_batches=0)")
     if num_epochs is not None and (not isinstance(num_epochs, int) or num_epochs < 1):
         raise ValueError(f"num_epochs={num_epochs!r}: must be an integer >= 1 or None (endless)")
     if num_epochs is None and split == "eval":

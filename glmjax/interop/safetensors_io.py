@@ -16,6 +16,8 @@ from typing import Callable, Iterable, Mapping
 import ml_dtypes
 import numpy as np
 
+from glmjax.workdir import CheckpointError
+
 DTYPES: dict[str, np.dtype] = {
     "F64": np.dtype(np.float64),
     "F32": np.dtype(np.float32),
@@ -33,7 +35,7 @@ DTYPES: dict[str, np.dtype] = {
 DTYPE_NAMES: dict[np.dtype, str] = {v: k for k, v in DTYPES.items()}
 
 
-class SafetensorsFormatError(ValueError):
+class SafetensorsFormatError(CheckpointError, ValueError):
     """A file that is not valid safetensors (the message names the file and the problem)."""
 
 

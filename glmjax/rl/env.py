@@ -22,6 +22,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from glmjax.config import ConfigError
 from glmjax.rl.interceptor import Interceptor, ToolCall
 from glmjax.rl.tasks import Problem, safe_eval
 from glmjax.rl.text import TOK, ByteText, decode, encode
@@ -53,15 +54,20 @@ class SingleTurnEnv:
         return None
 
     def reward(self) -> float:
-        """Score of the final answer; an episode that never finished (truncated) has none and scores 0. ValueError
-        if the reward function returns anything but a finite number."""
+        """Score of the final answer; an episode that never finished (truncated) has none and scores 0. ConfigError
+        naming the function and the row (file:line) if the reward function raises or returns anything but a finite
+        number."""
         if self.answer is None:
             return 0.0
-        value = self.reward_fn(self.answer, self.problem)
+        name = f"{getattr(self.reward_fn, '__module__', '?')}:{getattr(self.reward_fn, '__qualname__', '?')}"
+        row = self.problem.where or repr(self.problem.prompt)
+        try:
+            value = self.reward_fn(self.answer, self.problem)
+        except Exception as e:  # noqa: BLE001 -- the user's function: named with the row, in one line
+            raise ConfigError(f"reward {name} raised {type(e).__name__} ({e}) on {row}") from e
         if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-            name = f"{getattr(self.reward_fn, '__module__', '?')}:{getattr(self.reward_fn, '__qualname__', '?')}"
-            raise ValueError(f"reward {name} returned {value!r} ({type(value).__name__}) for "
-                             f"{self.problem.where or repr(self.problem.prompt)}: must be a finite number")
+            raise ConfigError(f"reward {name} returned {value!r} ({type(value).__name__}) for {row}: must be a "
+                              "finite number")
         return float(value)
 
 

@@ -183,11 +183,12 @@ REWARDS: dict[str, Callable[[str, Problem], float]] = {"exact": exact_reward, "p
 
 
 def import_path(spec: str, field: str):
-    """"package.module:name" -> the object; ConfigError naming the field if it does not import."""
+    """"package.module:name" -> the object; ConfigError naming the field if it does not import (missing, or the
+    module's own code raised)."""
     mod, _, attr = spec.partition(":")
     try:
         return getattr(importlib.import_module(mod), attr)
-    except (ImportError, AttributeError) as e:
+    except Exception as e:  # noqa: BLE001 -- a module that fails at import: the user's code
         raise ConfigError(f"ppo.{field}={spec!r}: cannot import ({type(e).__name__}: {e})") from e
 
 

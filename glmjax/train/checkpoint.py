@@ -21,10 +21,8 @@ or an infinity is damaged too, the tensor named.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import shutil
-import sys
 import time
 import warnings
 
@@ -32,86 +30,19 @@ import jax
 import orbax.checkpoint as ocp
 
 # the read side (manifests, the newest intact model state) is glmjax/workdir.py's; re-exported for its users here
-from glmjax.workdir import (MANIFEST, file_crc32, first_non_finite, intact_steps, load_model_state,  # noqa: F401
+from glmjax.orbax_noise import OrbaxNoise, quiet_orbax
+from glmjax.workdir import (MANIFEST, CheckpointError, file_crc32, first_non_finite, intact_steps, load_model_state,  # noqa: F401
                             NEVER_SEALED, newest_meta, short_error, step_files, unsealed_marker, verify_manifest,
                             write_manifest)
 
 ITEMS = ("model", "opt_state", "data", "meta")
 
 
-class CheckpointError(RuntimeError):
-    """No usable checkpoint where one is needed; the message names the checkpoints and what is wrong with each."""
-
-
-class _OrbaxNoise(logging.Filter):
-    """Silences the failure reports orbax and tensorstore print while a save or restore fails, and counts them.
-
-    When one array of an orbax read or write fails (a damaged file, a full disk), orbax closes its asyncio loop and
-    re-raises; tensorstore's completion callbacks of the other arrays then call `loop.call_soon_threadsafe` on the
-    closed loop and print a "RuntimeError: Event loop is closed" traceback each (sys.unraisablehook, one per
-    array: hundreds), and orbax logs the failure with its traceback at ERROR. The failure itself still reaches the
-    caller as an exception (named in one warning for a damaged step, in one line for a full disk), so these
-    copies are dropped (counted in `count`)."""
-
-    count = 0
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        orbax = f"{os.sep}orbax{os.sep}" in (record.pathname or "")
-        # asyncio: the failed sibling writes
-        orphan = record.name == "asyncio" and "exception was never retrieved" in str(record.msg)
-        if record.levelno < logging.CRITICAL and (orbax or orphan):
-            _OrbaxNoise.count += 1
-            return False
-        return True
-
-
-def _closed_loop_hook(previous):
-    def hook(kind, value, tb):
-        if kind is RuntimeError and str(value) == "Event loop is closed":
-            _OrbaxNoise.count += 1
-            return
-        previous(kind, value, tb)
-    hook.glmjax_quiet = True
-    return hook
-
-
-def _raised_in_orbax(tb) -> bool:
-    while tb is not None:
-        if f"{os.sep}orbax{os.sep}" in tb.tb_frame.f_code.co_filename:
-            return True
-        tb = tb.tb_next
-    return False
-
-
-def _closed_loop_unraisable(previous):
-    """Drops the closed-loop reports, and the failed sibling reads' own errors: an orbax coroutine that raised and
-    was never awaited once the restore had failed ("Exception ignored in: <coroutine object
-    _read_array_index_and_device_put>", printed when it is garbage-collected: timing-dependent)."""
-    def hook(unraisable):
-        closed = isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"
-        if closed or _raised_in_orbax(unraisable.exc_traceback):
-            _OrbaxNoise.count += 1
-            return
-        previous(unraisable)
-    hook.glmjax_quiet = True
-    return hook
-
-
-def _quiet_orbax() -> None:
-    if not getattr(sys.excepthook, "glmjax_quiet", False):
-        sys.excepthook = _closed_loop_hook(sys.excepthook)
-    if not getattr(sys.unraisablehook, "glmjax_quiet", False):  # tensorstore reports callback errors as unraisable
-        sys.unraisablehook = _closed_loop_unraisable(sys.unraisablehook)
-    for logger in (logging.getLogger("absl"), logging.getLogger("asyncio")):
-        if not any(isinstance(f, _OrbaxNoise) for f in logger.filters):
-            logger.addFilter(_OrbaxNoise())
-
-
 class Checkpoints:
     def __init__(self, workdir: str, keep: int = 3, async_save: bool = True):
         self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=True)
-        _quiet_orbax()
+        quiet_orbax()
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
         self._unsealed: list[int] = []
         self._closed = False
@@ -185,7 +116,7 @@ class Checkpoints:
                 except Exception as e:  # noqa: BLE001
                     problem = f"unreadable ({short_error(e)})"
             if problem is not None:
-                _OrbaxNoise.count = 0  # the reports of this read error: it is named in the warning below
+                OrbaxNoise.count = 0  # the reports of this read error: it is named in the warning below
                 warnings.warn(f"checkpoint {self.step_dir(step)} is damaged: {problem}", stacklevel=2)
                 damaged.append((step, problem))
                 continue
