@@ -221,6 +221,7 @@ def train(config, workdir: str, progress: bool = True) -> dict:
             raise
         run.train_step = compiled
         if stop["signal"]:
+            jax.block_until_ready((run.params, run.rest, run.opt_state))  # no computation left running at exit
             run.ckpt.close()
             run.data.close()
             raise Interrupted(f"{stop['signal']} during set-up, before step {run.start_step + 1}: nothing new to "
