@@ -1,6 +1,6 @@
 """Every failure a run is known to meet, through the commands a user types: what happens and the exit status.
 
-    python bench/fault_cases.py [--dir DIR] [--only SUBSTRING]     # about 8 minutes on 2 CPU cores
+    python bench/fault_cases.py [--dir DIR] [--only SUBSTRING]     # about 3 minutes on 2 CPU cores
 
 Each case sets up a tiny run (configs/tiny.py, seq 32, batch 2, as bench/fault_injection.py), breaks one thing,
 and runs train.py, glmjax-generate or glmjax-hf as a user would. A row: the case, what the program did (the last

@@ -73,7 +73,7 @@ def config_file_error(e: Exception, argv: list[str]):
     while root.__cause__ or root.__context__:
         root = root.__cause__ or root.__context__
     given = next((a for a in argv[1:] if a.startswith("--config=")), "--config")
-    text = str(root).strip().splitlines()
+    text = [x.strip() for x in str(root).strip().splitlines()]
     fail(f"flag error: {given}: the config file does not load ({type(root).__name__}: {text[-1] if text else ''})", 2)
 
 

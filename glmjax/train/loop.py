@@ -435,7 +435,10 @@ def interrupted_between_steps(run: StageRun, done: int, signame: str, log: Metri
     nothing was trained) and say so -> the signal's name."""
     t = run.config.train
     run.step = done
-    if done > run.start_step and not due(done, t.checkpoint_every, t.steps):
+    if done <= run.start_step:
+        log.message(f"{signame}: the next batch was not ready; no step trained since step {done}; stopping")
+        return signame
+    if not due(done, t.checkpoint_every, t.steps):
         run.save(done)
     log.message(f"{signame}: the next batch was not ready; checkpoint at step {done}; stopping")
     return signame
