@@ -505,7 +505,8 @@ def test_truncated_rows_bootstrap_from_the_value_at_the_cut():
     after = np.random.default_rng(4).normal(size=(B, T)).astype(np.float32)  # V of the state after each token
     last = np.array([max(np.flatnonzero(m[b]), default=0) + (b == 2) for b in range(B)], np.int32)  # 2: env tail
     truncated = np.array([0, 1, 1, 0, 1], np.float32)
-    values, adv, ret = _gae_both(r, after, m, last, truncated, 0.97, 0.9, 1.0)
+    alone = np.arange(B)[:, None]  # every row an episode of its own (no compaction)
+    values, adv, ret = _gae_both(r, after, m, last, truncated, alone, 0.97, 0.9, 1.0)
     want_v = np.concatenate([np.zeros((B, 1), np.float32), after[:, :-1]], 1) * m  # V(s_i) = after[i - 1]
     np.testing.assert_array_equal(values, want_v)
     boot = after[np.arange(B), last] * truncated

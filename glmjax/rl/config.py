@@ -17,6 +17,7 @@ from glmjax.rl.losses import AGGREGATIONS, POLICY_LOSSES
 from glmjax.rl.prompts import TASKS
 
 ADVANTAGES = ("gae", "grpo")
+SEGMENT_ADVANTAGES = ("episode", "independent")
 MODES = ("dense", "sparse")
 PPO_ON_CONFIG_CHANGE = ("error", "fresh")  # the stages' "weights": start PPO from the old run with ppo.init_checkpoint
 
@@ -62,6 +63,12 @@ def default_ppo_config(**overrides) -> ml_collections.ConfigDict:
     # above a wrong answer's 0, and PPO learns not to finish (docs/ppo.md "From an SFT checkpoint")
     c.truncation = "terminal"
     c.grpo_std = True  # GRPO: divide by the group std (False = Dr.GRPO)
+    # an episode compacted into several sub-trajectories (samples sharing an episode id, docs/ppo.md "Compaction"):
+    # "episode" -- GAE runs along the whole episode (a sub-trajectory's last policy token bootstraps from V at the
+    # next one's first), the reward on the last one's last policy token; "independent" -- each sub-trajectory its own
+    # GAE, nothing carried across, the episode's reward split evenly over the sub-trajectories' last policy tokens
+    # (what public RL frameworks do). GRPO: one baseline per episode either way
+    c.segment_advantage = "episode"
     # ----- losses
     c.policy_loss = "ppo_clip"  # ppo_clip | async_two_sided | icepop
     c.clip_low = 0.2
@@ -162,6 +169,7 @@ def validate_ppo_config(config) -> ModelConfig:
     choice("mode", MODES)
     choice("advantage", ADVANTAGES)
     choice("truncation", ("terminal", "bootstrap"))
+    choice("segment_advantage", SEGMENT_ADVANTAGES)
     choice("policy_loss", POLICY_LOSSES)
     choice("loss_agg", AGGREGATIONS)
     choice("sft_script", ("direct", "calc"))

@@ -42,7 +42,7 @@ from glmjax.data.tokenizer import make_tokenizer
 from glmjax.infer import Decoder
 from glmjax.model import GLM
 from glmjax.optim import build_optimizer, make_schedule, validate_optim_config
-from glmjax.rl.advantages import explained_variance, gae, grpo, masked_whiten
+from glmjax.rl.advantages import episode_gae, episode_grpo, episode_rows, explained_variance, masked_whiten
 from glmjax.rl.config import validate_ppo_config
 from glmjax.rl.chat_env import ChatToolEnv
 from glmjax.rl.env import BYTES, ENVS, SCRIPTS, run_script
@@ -99,11 +99,13 @@ def env_factory(p, task_reward, interceptor, text=BYTES, tools=None, crash_prob:
     return lambda problem, rng: ENVS["single_turn"](problem, task_reward, text)
 
 
-def pack_samples(samples, rows: int, seq_len: int, pad_id: int) -> dict:
+def pack_samples(samples, rows: int, seq_len: int, pad_id: int, segment_advantage: str = "episode") -> dict:
     """Samples -> numpy arrays [rows, seq_len] indexed by token position (rows beyond len(samples) are padding):
-    tokens, segment_ids, positions, mask (policy tokens), rollout_logp, rewards (the sample's reward on its last
-    policy token), plus per-row version / group / score, last (position of the row's last token) and truncated
-    (1.0 where the response hit max_response_len: its advantages bootstrap from V of the state at the cut)."""
+    tokens, segment_ids, positions, mask (policy tokens), rollout_logp, rewards (the episode's reward on its last
+    policy token: of its last sub-trajectory, or split evenly over every sub-trajectory's under
+    segment_advantage="independent"), plus per-row version / group / score, episode / segment (each row of an
+    uncompacted episode is an episode of its own), last (position of the row's last token) and truncated (1.0
+    where the response hit max_response_len: its advantages bootstrap from V of the state at the cut)."""
     out = {k: np.zeros((rows, seq_len), np.float32) for k in ("mask", "rollout_logp", "rewards")}
     out["tokens"] = np.full((rows, seq_len), pad_id, np.int32)
     out["segment_ids"] = np.zeros((rows, seq_len), np.int32)
@@ -112,6 +114,11 @@ def pack_samples(samples, rows: int, seq_len: int, pad_id: int) -> dict:
     group = -1 - np.arange(rows)  # padding rows: groups of their own
     score, truncated = np.zeros(rows, np.float32), np.zeros(rows, np.float32)
     last = np.zeros(rows, np.int32)
+    episode, segment = -1 - np.arange(rows), np.zeros(rows, np.int64)  # negative: an episode of its own
+    pieces: dict[int, int] = {}
+    for s in samples:
+        if s.episode >= 0:
+            pieces[s.episode] = max(pieces.get(s.episode, 0), s.segment + 1)
     for b, s in enumerate(samples):
         p, n = len(s.prompt), len(s.prompt) + len(s.response)
         out["tokens"][b, :n] = np.concatenate([s.prompt, s.response])
@@ -119,21 +126,31 @@ def pack_samples(samples, rows: int, seq_len: int, pad_id: int) -> dict:
         out["mask"][b, p:n] = s.loss_mask
         out["rollout_logp"][b, p:n] = s.logprobs
         policy = np.flatnonzero(s.loss_mask)
-        if len(policy):
+        n_pieces = pieces.get(s.episode, 1)
+        if len(policy) and segment_advantage == "independent":
+            out["rewards"][b, p + policy[-1]] = s.reward / n_pieces
+        elif len(policy) and s.segment == n_pieces - 1:
             out["rewards"][b, p + policy[-1]] = s.reward
+        if s.episode >= 0:
+            episode[b], segment[b] = s.episode, s.segment
         version[b], group[b], score[b] = s.version, s.group, s.reward
         last[b], truncated[b] = n - 1, s.status == "truncated"
-    return {**out, "version": version, "group": group, "score": score, "last": last, "truncated": truncated}
+    return {**out, "version": version, "group": group, "score": score, "last": last, "truncated": truncated,
+            "episode": episode, "segment": segment}
 
 
 @jax.jit
-def _gae_both(rewards, after, mask, last, truncated, gamma, lam_actor, lam_critic):
+def _gae_both(rewards, after, mask, last, truncated, chains, gamma, lam_actor, lam_critic):
     """after: V of the states after each token [B,S] -> (values of the states before the tokens, 0 off the mask;
-    advantages with lam_actor; returns with lam_critic). A truncated row bootstraps from V(after its last token)."""
+    advantages with lam_actor; returns with lam_critic), along each chain of rows (`episode_rows`: an episode's
+    sub-trajectories; one row each without compaction). A truncated episode bootstraps from V(after the last token
+    of its last row)."""
     values = before(after) * mask
-    boot = jnp.take_along_axis(after, last[:, None], axis=1)[:, 0] * truncated
-    adv, _ = gae(rewards, values, mask, gamma, lam_actor, boot)
-    _, returns = gae(rewards, values, mask, gamma, lam_critic, boot)
+    boot_rows = jnp.take_along_axis(after, last[:, None], axis=1)[:, 0] * truncated
+    final = jnp.take_along_axis(chains, jnp.sum(chains >= 0, axis=1, keepdims=True) - 1, axis=1)[:, 0]
+    boot = boot_rows[final]
+    adv, _ = episode_gae(rewards, values, mask, chains, gamma, lam_actor, boot)
+    _, returns = episode_gae(rewards, values, mask, chains, gamma, lam_critic, boot)
     return values, adv, returns
 
 
@@ -199,7 +216,7 @@ class Learner:
 
     def update(self, samples, version: int, rows: int, seq_len: int, train_actor: bool) -> dict:
         p, fns, place = self.p, self.fns, self.placement
-        data = pack_samples(samples, rows, seq_len, self.pad_id)
+        data = pack_samples(samples, rows, seq_len, self.pad_id, p.segment_advantage)
         fwd = {k: data[k] for k in ("tokens", "segment_ids", "positions")}
         data["old_logp"] = forward(fns.logprobs, (self.params, self.rest), fwd, p.micro_batches, place)
         # the starting policy's log-probs: the KL term's reference, and how far RL has moved the policy (metric)
@@ -278,16 +295,19 @@ class Learner:
     def advantages(self, data: dict, fwd: dict) -> dict:
         """Fills data["advantages"], ["returns"], ["old_values"] over the whole batch; -> metrics."""
         p, mask = self.p, data["mask"]
+        chains = episode_rows(data["episode"], data["segment"])
         if not self.use_critic:
-            adv = np.asarray(grpo(data["score"], data["group"], mask, p.grpo_std))
+            adv = episode_grpo(data["score"], data["group"], chains, mask, p.grpo_std)
             data["returns"] = data["old_values"] = np.zeros_like(mask)
             data["advantages"] = adv
             return {"adv_abs_mean": float(np.sum(np.abs(adv) * mask) / max(mask.sum(), 1))}
         after = forward(self.fns.values, (self.cparams[0], self.crest, self.cparams[1]), fwd, p.micro_batches,
                         self.placement)
+        if p.segment_advantage == "independent":
+            chains = np.arange(len(mask))[:, None]
         values, adv, returns = (np.asarray(x) for x in _gae_both(
-            data["rewards"], after, mask, data["last"], data["truncated"] * (p.truncation == "bootstrap"), p.gamma,
-            p.lam_actor, p.lam_critic))
+            data["rewards"], after, mask, data["last"], data["truncated"] * (p.truncation == "bootstrap"), chains,
+            p.gamma, p.lam_actor, p.lam_critic))
         n = max(mask.sum(), 1)
         m = {"explained_variance": float(explained_variance(values, returns, mask)),
              "value_mean": float(np.sum(values * mask) / n), "return_mean": float(np.sum(returns * mask) / n),

@@ -36,8 +36,10 @@ class Sample:
     version: int  # policy weight version that generated it
     status: str  # "ok" | "truncated" (hit max_response_len) | "env_crash"
     group: int  # samples of one prompt share a group id
-    reward: float
+    reward: float  # the episode's reward (every sub-trajectory of a compacted episode carries it)
     info: dict  # {"tool_calls": n, "interceptions": [records]}
+    episode: int = -1  # sub-trajectories of one compacted episode share an id (>= 0); -1: an episode of its own
+    segment: int = 0  # the sub-trajectory's index within its episode
 
     @property
     def intercepted(self) -> bool:
