@@ -23,6 +23,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from glmjax.config import ConfigError
+from glmjax.rl.compaction import COMPACT, Budget
 from glmjax.rl.interceptor import Interceptor, ToolCall
 from glmjax.rl.tasks import Problem, safe_eval
 from glmjax.rl.text import TOK, ByteText, decode, encode
@@ -77,15 +78,23 @@ class ToolEnv(SingleTurnEnv):
 
     def __init__(self, problem: Problem, reward_fn: RewardFn, interceptor: Interceptor | None = None,
                  max_calls: int = 3, crash_prob: float = 0.0, rng: np.random.Generator | None = None,
-                 tools: dict[str, UserTool] | None = None, text=BYTES):
+                 tools: dict[str, UserTool] | None = None, text=BYTES, budget: Budget | None = None):
         super().__init__(problem, reward_fn, text)
+        self.budget = budget
         self.stop_tokens = (EOS, NEWLINE)
         self.interceptor, self.max_calls, self.crash_prob = interceptor, max_calls, crash_prob
         self.rng = rng or np.random.default_rng(0)
         self.tools = dict(tools or {})
         self.files = {"answer.txt": problem.answer, "notes.txt": "tools: calc:EXPR read:PATH fetch:URL"}
 
-    def step(self, turn: Sequence[int]) -> list[int] | None:
+    def prompt(self) -> list[int]:
+        """The task's prompt; with a context budget (compaction.py), the compacted conversation once the episode
+        has gone on in a new sub-trajectory."""
+        return super().prompt() if self.budget is None else self.budget.start(super().prompt())
+
+    def step(self, turn: Sequence[int]) -> list[int] | tuple | None:
+        """-> the observation, None (the episode is over) or COMPACT (it goes on in a new sub-trajectory whose
+        prompt, `prompt()`, ends with this turn's observation)."""
         if turn[-1] == EOS:
             return super().step(turn)
         self.info["tool_calls"] += 1
@@ -93,7 +102,8 @@ class ToolEnv(SingleTurnEnv):
             return None  # over the tool budget: the episode ends without an answer
         if self.crash_prob and self.rng.random() < self.crash_prob:
             raise EnvCrash("simulated tool-server crash")
-        return encode(f"={self.run_tool(decode(turn).rstrip(chr(NEWLINE)))}\n")
+        obs = encode(f"={self.run_tool(decode(turn).rstrip(chr(NEWLINE)))}\n")
+        return COMPACT if self.budget is not None and self.budget.after_turn(turn, obs) else obs
 
     def run_tool(self, text: str) -> str:
         tool, sep, arg = text.partition(":")
@@ -129,7 +139,16 @@ def run_script(env: SingleTurnEnv, policy: Callable[[list[str]], str]) -> tuple[
     """Play one episode with a scripted policy: policy(observations so far) -> the next turn's text; a turn ending
     in "\\n" is a tool call, any other turn is final (EOS appended). -> (prompt, response, loss mask): the same token
     layout a rollout produces, observations with mask 0. Used for supervised warm-up data and tests."""
-    prompt, response, mask, observations = env.prompt(), [], [], []
+    (episode,) = play_script(env, policy)
+    return episode
+
+
+def play_script(env: SingleTurnEnv, policy: Callable[[list[str]], str]) -> list[tuple[list[int], list[int],
+                                                                                   list[int]]]:
+    """`run_script` for an environment that may compact (ToolEnv with a Budget): -> one (prompt, response, loss
+    mask) per sub-trajectory, in order."""
+    out, observations = [], []
+    prompt, response, mask = env.prompt(), [], []
     for _ in range(16):
         text = policy(observations)
         turn = encode(text) + ([] if text.endswith("\n") else [EOS])
@@ -137,9 +156,14 @@ def run_script(env: SingleTurnEnv, policy: Callable[[list[str]], str]) -> tuple[
         mask += [1] * len(turn)
         obs = env.step(turn)
         if obs is None:
-            return prompt, response, mask
-        response += obs
-        mask += [0] * len(obs)
+            return out + [(prompt, response, mask)]
+        if obs is COMPACT:
+            out.append((prompt, response, mask))
+            prompt, response, mask = env.prompt(), [], []
+            obs = env.budget.turns[-1][1]  # what the policy is shown: the end of the compacted prompt
+        else:
+            response += obs
+            mask += [0] * len(obs)
         observations.append(decode(obs)[1:].rstrip("\n"))  # "=<output>\n" -> "<output>"
     raise RuntimeError("scripted policy did not finish within 16 turns")
 

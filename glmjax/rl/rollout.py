@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from glmjax.infer import Decoder, sample
+from glmjax.rl.compaction import COMPACT
 from glmjax.rl.env import EnvCrash, SingleTurnEnv
 
 STATUSES = ("ok", "truncated", "env_crash")
@@ -110,6 +111,9 @@ class Sampler:
                 except EnvCrash:
                     status[b], live[b] = "env_crash", False
                     continue
+                if obs is COMPACT:  # compaction.py: the rollout side is not written yet
+                    raise NotImplementedError("an environment compacted its episode; the sampler cannot play "
+                                              "sub-trajectories yet (docs/ppo.md \"Compaction\")")
                 if obs is None:
                     status[b], live[b] = "ok", False
                 elif obs:

@@ -1,0 +1,108 @@
+"""Compaction (GLM-5.2, docs/ppo.md "Compaction"): when an episode's next turn would not fit its context budget, the
+history is compacted and the episode goes on in a new sub-trajectory whose prompt is the compacted conversation.
+
+A rule maps the episode so far to the next sub-trajectory's prompt tokens:
+
+    rule(prompt, turns, text) -> tokens
+      prompt  the episode's first prompt (system prompt and task, as the environment rendered it)
+      turns   every (policy turn, observation) of the episode so far, oldest first, token ids; the last one's
+              observation has not been fed to the policy yet
+      text    the environment's token rule (glmjax/rl/text.py)
+
+The built-in `keep_last(k)` ("keep_last:K" in ppo.compaction) keeps the first prompt and the last k turns verbatim
+and replaces the turns before them by one summary line written by a rule (how many, and the last SUMMARY_TURNS
+calls with the start of their outputs). A rule is also "package.module:function". The new prompt always ends with the last observation, so the
+environment's answer to the last turn is never lost; its tokens are prompt tokens (loss mask 0).
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from glmjax.config import ConfigError
+from glmjax.rl.tasks import resolve_callable
+from glmjax.rl.text import decode, encode
+
+Rule = Callable[[list[int], list[tuple[list[int], list[int]]], object], list[int]]
+SUMMARY_CHARS = 24  # of each earlier call and of its output, in the summary line
+SUMMARY_TURNS = 2  # the earlier turns the summary line shows (it counts them all)
+
+
+def keep_last(k: int) -> Rule:
+    if k < 1:
+        raise ConfigError(f"ppo.compaction='keep_last:{k}': k must be >= 1 (the last turn holds the observation the "
+                          "policy has not seen yet)")
+
+    def rule(prompt: list[int], turns: Sequence[tuple[list[int], list[int]]], text) -> list[int]:
+        earlier, kept = turns[:-k], turns[-k:]
+        out = list(prompt)
+        if earlier:
+            out += encode(summary(earlier))
+        for turn, obs in kept:
+            out += list(turn) + list(obs)
+        return out
+
+    return rule
+
+
+def summary(turns: Sequence[tuple[list[int], list[int]]]) -> str:
+    """One line of bounded length: '[earlier: 6 turns, the last 2: calc:5+0 -> 5; calc:6+0 -> 6]\\n' (byte text;
+    each call and output shortened to SUMMARY_CHARS)."""
+    def short(ids):
+        return decode(ids).strip().lstrip("=")[:SUMMARY_CHARS]
+
+    last = turns[-SUMMARY_TURNS:]
+    return (f"[earlier: {len(turns)} turn{'s' * (len(turns) > 1)}, the last {len(last)}: "
+            + "; ".join(f"{short(t)} -> {short(o)}" for t, o in last) + "]\n")
+
+
+def make_rule(spec: str) -> Rule:
+    """ppo.compaction -> the rule: "keep_last:K" or "package.module:function"."""
+    name, _, arg = spec.partition(":")
+    if name == "keep_last":
+        try:
+            k = int(arg)
+        except ValueError:
+            raise ConfigError(f"ppo.compaction={spec!r}: keep_last takes an integer, e.g. 'keep_last:2'") from None
+        return keep_last(k)
+    return resolve_callable(spec, {}, "compaction")
+
+
+COMPACT = ("compact",)  # what env.step returns when the episode goes on in a new sub-trajectory
+
+
+class Budget:
+    """An episode's token accounting for compaction: `context_budget` tokens per sub-trajectory (prompt and
+    response), of which `headroom` must stay free for the policy's next turn after an observation. text: the
+    environment's token rule, handed to the rule."""
+
+    def __init__(self, context_budget: int, rule: Rule, headroom: int, text=None):
+        self.context_budget, self.rule, self.headroom, self.text = context_budget, rule, headroom, text
+        self.first_prompt: list[int] = []
+        self.turns: list[tuple[list[int], list[int]]] = []
+        self.used = 0  # tokens of the current sub-trajectory
+        self.pending: list[int] | None = None  # the next sub-trajectory's prompt, once compacted
+        self.compactions = 0
+
+    def start(self, prompt: list[int]) -> list[int]:
+        """The prompt of the episode's first sub-trajectory, or the compacted one of the next."""
+        if self.pending is None:
+            self.first_prompt = list(prompt)
+        else:
+            prompt, self.pending = self.pending, None
+        self.used = len(prompt)
+        return list(prompt)
+
+    def after_turn(self, turn: Sequence[int], obs: Sequence[int]) -> bool:
+        """Account a turn and its observation -> True when the observation does not fit with `headroom` tokens left
+        for the next turn: the episode is compacted (the next `start` returns the compacted prompt)."""
+        self.turns.append((list(turn), list(obs)))
+        self.used += len(turn)
+        if self.used + len(obs) + self.headroom <= self.context_budget:
+            self.used += len(obs)
+            return False
+        self.pending = list(self.rule(self.first_prompt, self.turns, self.text))
+        if len(self.pending) + self.headroom > self.context_budget:
+            raise ConfigError(f"compaction: the compacted prompt has {len(self.pending)} tokens, leaving fewer than "
+                              f"{self.headroom} for the next turn within ppo.context_budget={self.context_budget}")
+        self.compactions += 1
+        return True

@@ -1,0 +1,60 @@
+"""Compaction on a scripted episode (issue 47; glmjax/rl/compaction.py): a ToolEnv with a context budget, a scripted
+policy and the built-in rule keep_last:1 give the sub-trajectories and prompts written out below by hand."""
+import pytest
+
+from glmjax.config import ConfigError
+from glmjax.rl.compaction import Budget, keep_last, make_rule
+from glmjax.rl.env import EOS, ToolEnv, play_script, run_script
+from glmjax.rl.tasks import Problem
+from glmjax.rl.text import TOK, encode
+
+
+def calls_then_answer(n: int):
+    """calc:1+0, calc:2+0, ... calc:n+0, then the last output as the answer."""
+    return lambda obs: f"calc:{len(obs) + 1}+0\n" if len(obs) < n else obs[-1]
+
+
+def test_a_scripted_episode_compacts_into_the_expected_sub_trajectories():
+    """Budget 96 tokens per sub-trajectory, 8 kept free after an observation. The prompt is 5 tokens (BOS "3+4="),
+    a call 9 ("calc:i+0\\n"), its output 3 ("=i\\n"): after call i the first sub-trajectory holds 5 + 12 i tokens,
+    and call 7's output does not fit (5 + 12 * 6 + 9 + 3 + 8 = 97 > 96). The second starts from the compacted
+    prompt: the task, the summary of calls 1-6 (61 tokens), call 7 and its output (78 tokens in all); call 8's output
+    does not fit either (78 + 9 + 3 + 8 = 98), so the third starts from the task, the summary of calls 1-7, call 8 and its
+    output, and holds the answer."""
+    env = ToolEnv(Problem("3+4=", "8"), lambda answer, problem: float(answer == problem.answer), max_calls=10,
+                  budget=Budget(96, keep_last(1), headroom=8))
+    subs = play_script(env, calls_then_answer(8))
+    task = [TOK.BOS] + encode("3+4=")
+    call, out = (lambda i: encode(f"calc:{i}+0\n")), (lambda i: encode(f"={i}\n"))
+    summary6 = encode("[earlier: 6 turns, the last 2: calc:5+0 -> 5; calc:6+0 -> 6]\n")
+    summary7 = encode("[earlier: 7 turns, the last 2: calc:6+0 -> 6; calc:7+0 -> 7]\n")
+    assert len(summary6) == 61 and len(task + summary6 + call(7) + out(7)) == 78
+    want = [
+        (task, sum((call(i) + out(i) for i in range(1, 7)), []) + call(7), ([1] * 9 + [0] * 3) * 6 + [1] * 9),
+        (task + summary6 + call(7) + out(7), call(8), [1] * 9),
+        (task + summary7 + call(8) + out(8), encode("8") + [EOS], [1, 1]),
+    ]
+    assert [s[0] for s in subs] == [w[0] for w in want]  # the prompts
+    assert subs == want
+    assert env.budget.compactions == 2 and env.reward() == 1.0  # the episode's reward, once, at its end
+    assert all(len(p) + len(r) <= 96 for p, r, _ in subs)
+
+
+def test_without_a_budget_nothing_changes():
+    env = ToolEnv(Problem("3+4=", "3"), lambda a, p: 0.0, max_calls=10)
+    prompt, response, mask = run_script(env, calls_then_answer(3))
+    assert prompt == [TOK.BOS] + encode("3+4=") and sum(mask) == 3 * 9 + 2 and len(response) == 3 * 12 + 2
+
+
+def test_rules_and_their_errors():
+    with pytest.raises(ConfigError, match="k must be >= 1"):
+        make_rule("keep_last:0")
+    with pytest.raises(ConfigError, match="keep_last takes an integer"):
+        make_rule("keep_last:two")
+    assert make_rule("keep_last:2")([1], [([2], [3]), ([4], [5]), ([6], [7])], None)[-4:] == [4, 5, 6, 7]
+    env = ToolEnv(Problem("3+4=", "3"), lambda a, p: 0.0, max_calls=10, budget=Budget(40, keep_last(2), headroom=8))
+    # call 3's output does not fit (5 + 24 + 9 + 3 + 8 = 49 > 40); the task, the summary of call 1 and calls 2-3
+    # with their outputs make 5 + 45 + 24 = 74 tokens: no room for a turn
+    assert len(encode("[earlier: 1 turn, the last 1: calc:1+0 -> 1]\n")) == 45
+    with pytest.raises(ConfigError, match="the compacted prompt has 74 tokens, leaving fewer than 8"):
+        play_script(env, calls_then_answer(5))
