@@ -19,8 +19,8 @@ def test_a_scripted_episode_compacts_into_the_expected_sub_trajectories():
     a call 9 ("calc:i+0\\n"), its output 3 ("=i\\n"): after call i the first sub-trajectory holds 5 + 12 i tokens,
     and call 7's output does not fit (5 + 12 * 6 + 9 + 3 + 8 = 97 > 96). The second starts from the compacted
     prompt: the task, the summary of calls 1-6 (61 tokens), call 7 and its output (78 tokens in all); call 8's output
-    does not fit either (78 + 9 + 3 + 8 = 98), so the third starts from the task, the summary of calls 1-7, call 8 and its
-    output, and holds the answer."""
+    does not fit either (78 + 9 + 3 + 8 = 98), so the third starts from the task, the summary of calls 1-7, call 8
+    and its output, and holds the answer."""
     env = ToolEnv(Problem("3+4=", "8"), lambda answer, problem: float(answer == problem.answer), max_calls=10,
                   budget=Budget(96, keep_last(1), headroom=8))
     subs = play_script(env, calls_then_answer(8))

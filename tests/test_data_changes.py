@@ -172,8 +172,8 @@ def test_a_data_file_replaced_mid_run_stops_it_in_one_line_with_its_checkpoints_
     os.replace(data + ".new", data)
     out, err = p.communicate(timeout=120)
     assert p.returncode == 2, (out[-2000:], err[-2000:])
-    assert err.strip().splitlines()[-1].startswith(f"data error: data file {data!r} changed while the run reads it ("), \
-        err[-2000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"data error: data file {data!r} changed while the run reads it ("), err[-2000:]
     assert "Traceback" not in err, err[-3000:]
     ck = Checkpoints(work)
     steps = ck.steps()

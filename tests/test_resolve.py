@@ -53,7 +53,8 @@ def test_every_kind_loads_the_saved_weights(kinds, kind):
     assert src.kind == {"policy": "import"}.get(kind, kind)
     assert src.path == (os.path.join(paths[kind], "policy") if kind == "policy" else paths[kind])
     got, loaded = load_model(paths[kind])
-    assert loaded.cfg == (hf_cfg if kind in ("import", "hf") else model.cfg) and (loaded.layout is not None) == (kind == "import")
+    assert loaded.cfg == (hf_cfg if kind in ("import", "hf") else model.cfg)
+    assert (loaded.layout is not None) == (kind == "import")
     want, back = flat(nnx.state(model).to_pure_dict()), flat(nnx.state(got).to_pure_dict())
     assert back.keys() == want.keys()
     for k in want:

@@ -34,8 +34,10 @@ tokens dropped in `truncated_tokens`). Text documents and SFT pairs longer than 
 
 Bad records (undecodable, malformed, empty, longer than data.max_doc_chars) are skipped, counted in `stats` once
 each (in the first epoch; later epochs skip them silently) and the first few logged. Unusable files (unreadable,
-wrong format, a missing column, no usable record) raise `DataError` naming the file. The train / held-out split is by a stable hash of each record's key (file and line / row):
-`eval_fraction` of the documents, at least one of each side; if no held-out record is usable, train records move
+wrong format, a missing column, no usable record) raise `DataError` naming the file, and so does a file that
+changes while the run reads it (sources.py `Watched`). Train batches are prepared ahead in a thread that never holds
+a signal back (read_ahead.py). The train / held-out split is by a stable hash of each record's key (file and line /
+row): `eval_fraction` of the documents, at least one of each side; if no held-out record is usable, train records move
 over (lowest hash first) until one is, so a bad line never leaves eval empty.
 """
 from __future__ import annotations

@@ -53,11 +53,11 @@ def episode_rows(episode, segment) -> np.ndarray:
 
 def episode_gae(rewards, values, mask, chains, gamma: float, lam: float, bootstrap=None):
     """`gae` over whole episodes whose sub-trajectories are rows (compaction, docs/ppo.md): chains [E,K] (from
-    `episode_rows`; every row in one chain; jit-able). Each episode's rows are laid end to end and `gae` runs over the result, so the last policy
-    token of sub-trajectory j bootstraps from V at the first policy token of j+1 and its advantage continues from
-    there (the prompt of j+1 is skipped as any non-policy token is); a reward counts once, where it sits.
-    bootstrap [E]: V after the episode's last token (a truncated episode), None: 0. -> (advantages, returns) [B,T],
-    equal to `gae` on the uncompacted episode when compaction keeps everything."""
+    `episode_rows`; every row in one chain; jit-able). Each episode's rows are laid end to end and `gae` runs over
+    the result, so the last policy token of sub-trajectory j bootstraps from V at the first policy token of j+1 and
+    its advantage continues from there (the prompt of j+1 is skipped as any non-policy token is); a reward counts
+    once, where it sits. bootstrap [E]: V after the episode's last token (a truncated episode), None: 0. ->
+    (advantages, returns) [B,T], equal to `gae` on the uncompacted episode when compaction keeps everything."""
     rewards, values, mask = (jnp.asarray(x, f32) for x in (rewards, values, mask))
     (B, T), (E, K) = rewards.shape, chains.shape
     idx = jnp.where(jnp.asarray(chains) >= 0, jnp.asarray(chains), B).reshape(-1)  # row B: zeros, no policy token

@@ -11,8 +11,9 @@ A rule maps the episode so far to the next sub-trajectory's prompt tokens:
 
 The built-in `keep_last(k)` ("keep_last:K" in ppo.compaction) keeps the first prompt and the last k turns verbatim
 and replaces the turns before them by one summary line written by a rule (how many, and the last SUMMARY_TURNS
-calls with the start of their outputs). A rule is also "package.module:function". The new prompt always ends with the last observation, so the
-environment's answer to the last turn is never lost; its tokens are prompt tokens (loss mask 0).
+calls with the start of their outputs). A rule is also "package.module:function". The new prompt always ends with
+the last observation, so the environment's answer to the last turn is never lost; its tokens are prompt tokens
+(loss mask 0).
 """
 from __future__ import annotations
 

@@ -29,11 +29,11 @@ import warnings
 import jax
 import orbax.checkpoint as ocp
 
-# the read side (manifests, the newest intact model state) is glmjax/workdir.py's; re-exported for its users here
 from glmjax.orbax_noise import OrbaxNoise, quiet_orbax
-from glmjax.workdir import (MANIFEST, CheckpointError, file_crc32, first_non_finite, intact_steps, load_model_state,  # noqa: F401
-                            NEVER_SEALED, newest_meta, short_error, step_files, unsealed_marker, verify_manifest,
-                            write_manifest)
+# the read side (manifests, the newest intact model state) is glmjax/workdir.py's; re-exported for its users here
+from glmjax.workdir import (MANIFEST, NEVER_SEALED, CheckpointError, file_crc32, first_non_finite,  # noqa: F401
+                            intact_steps, load_model_state, newest_meta, short_error, step_files, unsealed_marker,
+                            verify_manifest, write_manifest)
 
 ITEMS = ("model", "opt_state", "data", "meta")
 

@@ -10,8 +10,8 @@
   A stale lock is taken over, with a line saying so.
 - A workdir is glmjax's when it is missing or empty, holds the marker `.glmjax` (written on every claim) or a lock
   (a run that has not written its marker yet), or was written before the marker existed (a glmjax config.json, a
-  checkpoints/ directory with manifests, or stage subdirectories that are glmjax workdirs). Anything else stops with one line (exit 2, `ForeignWorkdir`) and is
-  not touched.
+  checkpoints/ directory with manifests, or stage subdirectories that are glmjax workdirs). Anything else stops
+  with one line (exit 2, `ForeignWorkdir`) and is not touched.
 """
 from __future__ import annotations
 
