@@ -17,6 +17,7 @@ import dataclasses
 import json
 import os
 
+import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
@@ -113,13 +114,18 @@ def _load_import(directory: str, sharding) -> Loaded:
 
 
 def write_import(directory: str, state, cfg: ModelConfig, layout: HFLayout | None = None) -> None:
-    """Write the import kind (module doc): `glmjax-hf import`, a PPO run's policy/. Replaces what is there."""
+    """Write the import kind (module doc): `glmjax-hf import`, a PPO run's policy/. Replaces what is there (a stale
+    hf_layout.json included). Every process saves its part of the arrays; process 0 writes the JSON files."""
     os.makedirs(directory, exist_ok=True)
     with ocp.StandardCheckpointer() as ck:
         ck.save(os.path.abspath(os.path.join(directory, "state")), state, force=True)
+    if jax.process_index() != 0:
+        return
     files = {"model_config.json": json.dumps(cfg.to_json_dict(), indent=1)}
     if layout is not None:
         files["hf_layout.json"] = layout.to_json()
+    elif os.path.exists(os.path.join(directory, "hf_layout.json")):
+        os.remove(os.path.join(directory, "hf_layout.json"))
     for name, text in files.items():
         tmp = os.path.join(directory, f"{name}.tmp{os.getpid()}")
         with open(tmp, "w") as f:

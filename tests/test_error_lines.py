@@ -40,10 +40,12 @@ def test_a_config_file_that_does_not_load_is_one_line(tmp_path):
     rc, err = train_py("--config=configs/tiy.py", f"--workdir={tmp_path / 'a'}")
     assert rc == 2 and "No such file or directory" in one_line(err, "flag error: --config=configs/tiy.py: ")
     raising = tmp_path / "raising.py"
-    raising.write_text("def get_config():\n    return 1 / 0\n")
-    rc, err = train_py(f"--config={raising}", f"--workdir={tmp_path / 'b'}")
-    assert rc == 2 and one_line(err, f"flag error: --config={raising}: ").endswith(
-        "the config file does not load (ZeroDivisionError: division by zero)")
+    for body, cause in (("return 1 / 0", "ZeroDivisionError: division by zero"),
+                        ("raise ValueError('no such size')", "ValueError: no such size")):  # absl wraps a ValueError
+        raising.write_text(f"def get_config():\n    {body}\n")
+        rc, err = train_py(f"--config={raising}", f"--workdir={tmp_path / 'b'}")
+        assert rc == 2 and one_line(err, f"flag error: --config={raising}: ").endswith(
+            f"the config file does not load ({cause})")
     assert not os.path.exists(tmp_path / "a") and not os.path.exists(tmp_path / "b")
 
 

@@ -111,6 +111,21 @@ def test_sigterm_during_set_up_is_one_line_and_exit_0(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_second_sigterm_is_not_deferred(tmp_path):
+    """The first SIGTERM of a set-up is deferred to its end; a second one stops the process at once (a set-up that
+    hangs can still be stopped)."""
+    p = launch(str(tmp_path))
+    for line in p.stdout:
+        if line.startswith("data: "):
+            break
+    p.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    p.send_signal(signal.SIGTERM)
+    rc, out = finish(p)
+    assert rc == -signal.SIGTERM and "SIGTERM again: stopping now, without a checkpoint" in out, out[-3000:]
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_fault_injection_kill9_resume_bitwise(reference, tmp_path):
     """bench/fault_injection.py: kill -9 at a random moment mid-training (seeded), the workdir resumed to the end;

@@ -19,6 +19,7 @@ import sys
 from flax import nnx
 
 from glmjax.cli.runtime import configure_jax
+from glmjax.config import ConfigError
 from glmjax.interop import keymap
 from glmjax.interop.hf import HFLayout, check_hf, load_hf, save_hf
 from glmjax.model import GLM
@@ -56,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overwrite", action="store_true", help="replace an import already in out_dir")
     p = sub.add_parser("export", help="glmjax checkpoint (from `import` or training) -> HF checkpoint")
     p.add_argument("ckpt_dir", help="a directory from `import` (model_config.json, state/, hf_layout.json), a "
-                   "training workdir (its newest intact checkpoint) or a finished PPO workdir (its policy/)")
+                   "stage or PPO workdir (its newest intact checkpoint; a PPO workdir without checkpoints/: its "
+                   "policy/) or a PPO run's policy/ (glmjax/resolve.py)")
     p.add_argument("hf_dir")
     p.add_argument("--layout", default=None, metavar="IMPORT_DIR",
                    help="write the key names, dtypes and config.json of this import's source (its hf_layout.json); "
@@ -101,7 +103,7 @@ def run(args) -> int:
             print("note:", n)
         return 0
     if os.path.exists(os.path.join(args.out_dir, "state")) and not args.overwrite:
-        raise FileNotFoundError(f"{args.out_dir} already holds an import (state/); --overwrite replaces it")
+        raise ConfigError(f"{args.out_dir} already holds an import (state/); --overwrite replaces it")
     model, layout = load_hf(args.hf_dir, latent_norm_eps=eps, honour_rope_flags=args.honour_rope_flags,
                             overrides=overrides)
     write_import(args.out_dir, nnx.state(model), model.cfg, layout)

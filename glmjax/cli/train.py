@@ -47,12 +47,16 @@ def parse_flags(argv):
         "stage" in FLAGS.config  # noqa: B015 -- a config file that did not load fails here, not at first use
         return rest
     except flags.Error as e:
+        if raised_in_config_file(e, argv):
+            config_file_error(e, argv)
         fail(f"flag error: {e}", 2)
     except OSError as e:  # ml_collections: the file is missing, or failed to load
         config_file_error(e, argv)
     except (KeyError, AttributeError, TypeError, ValueError) as e:
         if "--debug" in argv:
             raise
+        if raised_in_config_file(e, argv):
+            config_file_error(e, argv)
         inner = e.args[0] if e.args else e
         text = str(inner.args[0] if isinstance(inner, KeyError) and inner.args else inner)
         text = text.replace("\\'", "'")
@@ -63,6 +67,25 @@ def parse_flags(argv):
              + (f" ({text.splitlines()[-1]})" if "Did you mean" in text else ""), 2)
     except Exception as e:  # noqa: BLE001 -- raised by the config file's own code
         config_file_error(e, argv)
+
+
+def raised_in_config_file(e: BaseException, argv: list[str]) -> bool:
+    """Whether `e` (or an exception it was raised from) came out of the --config file's own code."""
+    given = next((a.partition("=")[2] for a in argv[1:] if a.startswith("--config=")), "configs/tiny.py")
+    path = os.path.abspath(given.partition(".py:")[0] + (".py" if ".py:" in given else ""))
+    seen, todo = set(), [e]
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        tb = x.__traceback__
+        while tb is not None:
+            if os.path.abspath(tb.tb_frame.f_code.co_filename) == path:
+                return True
+            tb = tb.tb_next
+        todo += [x.__cause__, x.__context__]
+    return False
 
 
 def config_file_error(e: Exception, argv: list[str]):

@@ -522,7 +522,9 @@ class PackedBatchIterator(grain.DatasetIterator):
             k += 1
             first_epoch = slot.index + (k - 1) * fp["batch_size"] < fp["num_docs"]  # count each record once
             if isinstance(d, Skip):
-                if not docs and k - slot.start > 2 * fp["num_docs"]:  # two epochs of every slot: never ends
+                # a slot reads every batch_size-th record: 16 x num_docs reads are 16 x batch_size of its epochs, so
+                # a few usable records are still met (all unusable is a change the file check did not see)
+                if not docs and k - slot.start > 16 * fp["num_docs"]:
                     raise DataError(f"data: {k - slot.start:,} records in a row are unusable (the last: {d.reason}, "
                                     f"{d.detail}); the data has changed since the run started, or holds too few "
                                     "usable records")

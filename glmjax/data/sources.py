@@ -113,7 +113,6 @@ def _stamp(st: os.stat_result) -> tuple[int, int, int]:
     return st.st_size, st.st_mtime_ns, st.st_ino
 
 
-
 class TextFile(Watched):
     kind = "text"
 

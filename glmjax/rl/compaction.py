@@ -9,7 +9,7 @@ A rule maps the episode so far to the next sub-trajectory's prompt tokens:
               observation has not been fed to the policy yet
       text    the environment's token rule (glmjax/rl/text.py)
 
-The built-in `keep_last(k)` ("keep_last:K" in ppo.compaction) keeps the first prompt and the last k turns verbatim
+The built-in `keep_last(k)` ("keep_last:K") keeps the first prompt and the last k turns verbatim
 and replaces the turns before them by one summary line written by a rule (how many, and the last SUMMARY_TURNS
 calls with the start of their outputs). A rule is also "package.module:function". The new prompt always ends with
 the last observation, so the environment's answer to the last turn is never lost; its tokens are prompt tokens
@@ -30,7 +30,7 @@ SUMMARY_TURNS = 2  # the earlier turns the summary line shows (it counts them al
 
 def keep_last(k: int) -> Rule:
     if k < 1:
-        raise ConfigError(f"ppo.compaction='keep_last:{k}': k must be >= 1 (the last turn holds the observation the "
+        raise ConfigError(f"compaction rule 'keep_last:{k}': k must be >= 1 (the last turn holds the observation the "
                           "policy has not seen yet)")
 
     def rule(prompt: list[int], turns: Sequence[tuple[list[int], list[int]]], text) -> list[int]:
@@ -57,14 +57,16 @@ def summary(turns: Sequence[tuple[list[int], list[int]]]) -> str:
 
 
 def make_rule(spec: str) -> Rule:
-    """ppo.compaction -> the rule: "keep_last:K" or "package.module:function"."""
-    name, _, arg = spec.partition(":")
+    """A compaction rule by name -> the rule: "keep_last:K" or "package.module:function"."""
+    name, colon, arg = spec.partition(":")
     if name == "keep_last":
         try:
             k = int(arg)
         except ValueError:
-            raise ConfigError(f"ppo.compaction={spec!r}: keep_last takes an integer, e.g. 'keep_last:2'") from None
+            raise ConfigError(f"compaction rule {spec!r}: keep_last takes an integer, e.g. 'keep_last:2'") from None
         return keep_last(k)
+    if not colon:
+        raise ConfigError(f"compaction rule {spec!r}: 'keep_last:K' or 'package.module:function'")
     return resolve_callable(spec, {}, "compaction")
 
 
@@ -104,6 +106,6 @@ class Budget:
         self.pending = list(self.rule(self.first_prompt, self.turns, self.text))
         if len(self.pending) + self.headroom > self.context_budget:
             raise ConfigError(f"compaction: the compacted prompt has {len(self.pending)} tokens, leaving fewer than "
-                              f"{self.headroom} for the next turn within ppo.context_budget={self.context_budget}")
+                              f"{self.headroom} for the next turn within the context budget of {self.context_budget}")
         self.compactions += 1
         return True

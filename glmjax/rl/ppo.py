@@ -42,6 +42,7 @@ from glmjax.data.tokenizer import make_tokenizer
 from glmjax.infer import Decoder
 from glmjax.model import GLM
 from glmjax.optim import build_optimizer, make_schedule, validate_optim_config
+from glmjax.resolve import write_import
 from glmjax.rl.advantages import episode_gae, episode_grpo, episode_rows, explained_variance, masked_whiten
 from glmjax.rl.config import validate_ppo_config
 from glmjax.rl.chat_env import ChatToolEnv
@@ -54,7 +55,6 @@ from glmjax.rl.tasks import REWARDS, resolve_callable, resolve_tools
 from glmjax.rl.text import ChatText
 from glmjax.rl.trainer import (ACTOR_TRAINABLE, CRITIC_TRAINABLE, Placement, PPOFunctions, accumulate, before,
                                critic_optimizer, forward, full_state, init_value_head, make_apply)
-from glmjax.resolve import write_import
 from glmjax.rl.warmup import supervised_warmup
 from glmjax.train.checkpoint import CheckpointError, Checkpoints, newest_meta
 from glmjax.train.hooks import CheckpointHook, EvalHook, MetricsLog, due, stop_signals

@@ -9,7 +9,8 @@ it, atomically (temporary file + rename).
 
 Restoring walks the steps from the newest down. A step is *damaged* when a file differs from its manifest or
 cannot be read; damaged steps newer than the one restored are moved to workdir/corrupt_checkpoints/ (kept for
-inspection) so the run can write those steps again. Nothing else is ever moved: a `check_meta` callback sees each
+inspection) so the run can write those steps again, and so are never-sealed steps (below), whenever a run opens the
+checkpoints. Nothing else is ever moved: a `check_meta` callback sees each
 step's metadata before its arrays are read and may refuse it (a changed config), which stops the restore with
 that error. When every step is damaged, `CheckpointError` is raised and all of them stay where they are.
 A step counts as committed once sealed: before saving it the writer marks it (workdir/.unsealed/<step>) and
@@ -28,6 +29,7 @@ import warnings
 
 import jax
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from glmjax.orbax_noise import OrbaxNoise, quiet_orbax
 # the read side (manifests, the newest intact model state) is glmjax/workdir.py's; re-exported for its users here
@@ -46,10 +48,20 @@ class Checkpoints:
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
         self._unsealed: list[int] = []
         self._closed = False
-        for step in self.steps():  # a run killed between orbax's commit and the seal: the step never counted
-            if verify_manifest(self.step_dir(step)) == NEVER_SEALED:
-                warnings.warn(f"checkpoint {self.step_dir(step)} was {NEVER_SEALED}; it does not count", stacklevel=2)
-                self._set_aside(step)
+        self._set_aside_never_sealed()
+
+    def _set_aside_never_sealed(self) -> None:
+        """Steps whose run was killed between orbax's commit and the seal never counted: process 0 moves them to
+        corrupt_checkpoints/ (the run writes those steps again), the others wait for it and reload."""
+        if jax.process_index() == 0:
+            for step in self.steps():
+                if verify_manifest(self.step_dir(step)) == NEVER_SEALED:
+                    warnings.warn(f"checkpoint {self.step_dir(step)} was {NEVER_SEALED}; it does not count",
+                                  stacklevel=3)
+                    self._set_aside(step)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices("glmjax: never-sealed checkpoints set aside")
+            self.manager.reload()
 
     def save(self, step: int, model_state, opt_state, data_state: dict, meta: dict) -> None:
         if jax.process_index() == 0:  # the step counts as committed once sealed: until then it is never trusted

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import sys
 import time
@@ -81,13 +82,19 @@ def stop_signals():
     """While entered, SIGTERM and SIGINT do not kill the process: they set stop["signal"] (the signal's name), for
     the loop to stop at the end of its step (`CheckpointHook`). The previous handlers come back on exit. Entered
     again inside (train.py holds it from the start; each stage enters it too), it yields the same dict: a signal
-    caught during set-up is seen by the stage."""
+    caught during set-up is seen by the stage. A second signal is not deferred: it gets the previous handler (a
+    set-up that hangs can still be stopped)."""
     if _ACTIVE:
         yield _ACTIVE[0]
         return
     stop = {"signal": None}
 
     def on_signal(signum, frame):
+        if stop["signal"]:
+            print(f"{signal.Signals(signum).name} again: stopping now, without a checkpoint", file=sys.stderr)
+            signal.signal(signum, old[signum])
+            os.kill(os.getpid(), signum)
+            return
         stop["signal"] = signal.Signals(signum).name
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}

@@ -77,14 +77,18 @@ def run(config, workdir: str, progress: bool = True) -> dict:
         c.init_from = config.init_from if i == 0 else os.path.join(workdir, config.recipe[i - 1])
         check_config(c, init_exists=i == 0)
     summaries, init = {}, config.init_from
-    for name in config.recipe:
-        c = stage_config(config, name)
-        c.init_from = init
-        print(f"\n=== stage {name} -> {os.path.join(workdir, name)} ===")
-        summaries[name] = train(c, os.path.join(workdir, name), progress)
-        if summaries[name].get("interrupted"):
-            break
-        init = os.path.join(workdir, name)
+    with stop_signals() as stop:  # train.py's (launch.run): a signal at a stage's last step stops the recipe there
+        for name in config.recipe:
+            if stop["signal"]:
+                print(f"{stop['signal']}: stopping before stage {name}; the same command resumes")
+                break
+            c = stage_config(config, name)
+            c.init_from = init
+            print(f"\n=== stage {name} -> {os.path.join(workdir, name)} ===")
+            summaries[name] = train(c, os.path.join(workdir, name), progress)
+            if summaries[name].get("interrupted"):
+                break
+            init = os.path.join(workdir, name)
     return summaries
 
 
