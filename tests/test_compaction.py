@@ -1,10 +1,17 @@
 """Compaction on a scripted episode (issue 47; glmjax/rl/compaction.py): a ToolEnv with a context budget, a scripted
-policy and the built-in rule keep_last:1 give the sub-trajectories and prompts written out below by hand."""
+policy and the built-in rule keep_last:1 give the sub-trajectories and prompts written out below by hand, and the
+sampler plays the same sub-trajectories (`Sampler.play_episodes`)."""
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from glmjax.config import ConfigError
 from glmjax.rl.compaction import Budget, keep_last, make_rule
 from glmjax.rl.env import EOS, ToolEnv, play_script, run_script
+from glmjax.rl.rollout import Sampler
 from glmjax.rl.tasks import Problem
 from glmjax.rl.text import TOK, encode
 
@@ -58,3 +65,54 @@ def test_rules_and_their_errors():
     assert len(encode("[earlier: 1 turn, the last 1: calc:1+0 -> 1]\n")) == 45
     with pytest.raises(ConfigError, match="the compacted prompt has 74 tokens, leaving fewer than 8"):
         play_script(env, calls_then_answer(5))
+
+
+class CallingDecoder:
+    """Stands in for glmjax.infer.Decoder: every row plays calls_then_answer(n) -- calc:1+0, calc:2+0, ... then the
+    last output -- reading the whole history, prompt included, so it goes on from a compacted prompt."""
+
+    def __init__(self, n: int, task: str):
+        self.n, self.task = n, task
+
+    def init_cache(self, B, T):
+        return [[] for _ in range(B)]
+
+    def logits(self, hist):
+        out = np.full((len(hist), 512), -1e9, np.float32)
+        for b, h in enumerate(hist):
+            text = bytes(t for t in h if t < 256).decode()
+            calls = re.findall(r"calc:(\d+)\+0\n", text)
+            done = int(calls[-1]) if calls else 0
+            partial = text.rsplit("\n", 1)[-1] if "\n" in text else text[len(self.task):]
+            turn = encode(f"calc:{done + 1}+0\n") if done < self.n else encode(str(done)) + [EOS]
+            out[b, turn[min(len(partial), len(turn) - 1)]] = 0
+        return jnp.asarray(out)
+
+    def prefill(self, state, tokens, lengths, caches):
+        hist = [list(np.asarray(tokens)[b, :lengths[b]]) for b in range(len(caches))]
+        return self.logits(hist), hist
+
+    def decode(self, state, tok, cur, hist):
+        for b, t in enumerate(np.asarray(tok)):
+            hist[b].append(int(t))
+        return self.logits(hist), hist
+
+
+def test_the_sampler_plays_the_sub_trajectories_a_script_plays():
+    """`Sampler.play_episodes` with a budget: the same sub-trajectories as play_script (the hand-checked episode
+    above), tagged episode / segment, each carrying the episode's reward; an environment without a budget beside it
+    is one sample, as `rollout` gives it."""
+    def env(budget):
+        return ToolEnv(Problem("3+4=", "8"), lambda answer, problem: float(answer == problem.answer), max_calls=10,
+                       budget=Budget(96, keep_last(1), headroom=8) if budget else None)
+
+    want = play_script(env(True), calls_then_answer(8))
+    smp = Sampler(CallingDecoder(8, "3+4="), batch_size=2, max_prompt_len=96, max_response_len=128)
+    got = smp.play_episodes(None, [env(True), env(False)], [0, 1], version=3, key=jax.random.key(0))
+    assert [(s.episode, s.segment, s.status) for s in got] == [(0, 0, "compacted"), (0, 1, "compacted"),
+                                                               (0, 2, "ok"), (1, 0, "ok")]
+    for s, (prompt, response, mask) in zip(got, want):
+        assert s.prompt.tolist() == prompt and s.response.tolist() == response and s.loss_mask.tolist() == mask
+    assert all(s.reward == 1.0 for s in got)
+    plain = Sampler(CallingDecoder(8, "3+4="), 1, 96, 128).rollout(None, [env(False)], [1], 3, jax.random.key(0))[0]
+    assert got[3].response.tolist() == plain.response.tolist() and got[3].reward == plain.reward == 1.0

@@ -82,30 +82,29 @@ class Budget:
         self.context_budget, self.rule, self.headroom, self.text = context_budget, rule, headroom, text
         self.first_prompt: list[int] = []
         self.turns: list[tuple[list[int], list[int]]] = []
+        self.prompt: list[int] | None = None  # the current sub-trajectory's prompt
         self.used = 0  # tokens of the current sub-trajectory
-        self.pending: list[int] | None = None  # the next sub-trajectory's prompt, once compacted
         self.compactions = 0
 
     def start(self, prompt: list[int]) -> list[int]:
-        """The prompt of the episode's first sub-trajectory, or the compacted one of the next."""
-        if self.pending is None:
-            self.first_prompt = list(prompt)
-        else:
-            prompt, self.pending = self.pending, None
-        self.used = len(prompt)
-        return list(prompt)
+        """The current sub-trajectory's prompt: `prompt` (the task's) for the first, the compacted conversation
+        after a compaction (asking again gives the same)."""
+        if self.prompt is None:
+            self.first_prompt, self.prompt, self.used = list(prompt), list(prompt), len(prompt)
+        return list(self.prompt)
 
     def after_turn(self, turn: Sequence[int], obs: Sequence[int]) -> bool:
         """Account a turn and its observation -> True when the observation does not fit with `headroom` tokens left
-        for the next turn: the episode is compacted (the next `start` returns the compacted prompt)."""
+        for the next turn: the episode is compacted (`start` now returns the compacted prompt)."""
         self.turns.append((list(turn), list(obs)))
         self.used += len(turn)
         if self.used + len(obs) + self.headroom <= self.context_budget:
             self.used += len(obs)
             return False
-        self.pending = list(self.rule(self.first_prompt, self.turns, self.text))
-        if len(self.pending) + self.headroom > self.context_budget:
-            raise ConfigError(f"compaction: the compacted prompt has {len(self.pending)} tokens, leaving fewer than "
+        self.prompt = list(self.rule(self.first_prompt, self.turns, self.text))
+        if len(self.prompt) + self.headroom > self.context_budget:
+            raise ConfigError(f"compaction: the compacted prompt has {len(self.prompt)} tokens, leaving fewer than "
                               f"{self.headroom} for the next turn within the context budget of {self.context_budget}")
+        self.used = len(self.prompt)
         self.compactions += 1
         return True

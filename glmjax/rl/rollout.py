@@ -25,7 +25,7 @@ from glmjax.infer import Decoder, sample
 from glmjax.rl.compaction import COMPACT
 from glmjax.rl.env import EnvCrash, SingleTurnEnv
 
-STATUSES = ("ok", "truncated", "env_crash")
+STATUSES = ("ok", "truncated", "env_crash", "compacted")
 
 
 @dataclasses.dataclass
@@ -35,7 +35,8 @@ class Sample:
     loss_mask: np.ndarray  # [r] f32: 1 on policy tokens, 0 on environment / tool tokens
     logprobs: np.ndarray  # [r] f32: the sampler's log-prob of each policy token (0 on environment tokens)
     version: int  # policy weight version that generated it
-    status: str  # "ok" | "truncated" (hit max_response_len) | "env_crash"
+    status: str  # "ok" | "truncated" (hit max_response_len) | "env_crash" | "compacted" (the episode goes on in
+    # the next sub-trajectory: `play_episodes`)
     group: int  # samples of one prompt share a group id
     reward: float  # the episode's reward (every sub-trajectory of a compacted episode carries it)
     info: dict  # {"tool_calls": n, "interceptions": [records]}
@@ -111,9 +112,9 @@ class Sampler:
                 except EnvCrash:
                     status[b], live[b] = "env_crash", False
                     continue
-                if obs is COMPACT:  # compaction.py: the rollout side is not written yet
-                    raise NotImplementedError("an environment compacted its episode; the sampler cannot play "
-                                              "sub-trajectories yet (docs/ppo.md \"Compaction\")")
+                if obs is COMPACT:  # compaction.py: the episode goes on from the compacted prompt (`play_episodes`)
+                    status[b], live[b] = "compacted", False
+                    continue
                 if obs is None:
                     status[b], live[b] = "ok", False
                 elif obs:
@@ -130,8 +131,33 @@ class Sampler:
             k = pos[b]
             out.append(Sample(np.asarray(prompts[b], np.int32), resp[b, :k].copy(), mask[b, :k].copy(),
                               lps[b, :k].copy(), version, st, int(groups[b]),
-                              envs[b].reward() if st != "env_crash" else 0.0, envs[b].info))
+                              envs[b].reward() if st not in ("env_crash", "compacted") else 0.0, envs[b].info))
         return out
+
+    def play_episodes(self, state, envs: Sequence[SingleTurnEnv], groups: Sequence[int], version: int,
+                      key: jax.Array, max_pieces: int = 8) -> list[Sample]:
+        """`rollout` for environments that may compact (compaction.py): the envs that compacted play on from their
+        compacted prompts, until each episode ends or has played `max_pieces` sub-trajectories (its last then
+        counts as truncated). -> every sub-trajectory as a Sample, by episode (the env's index) and segment, each
+        carrying its episode's reward; the final one carries its status. Without compaction: `rollout`'s samples,
+        with the same key."""
+        out, live = [], list(range(len(envs)))
+        for piece in range(max_pieces):
+            samples = self.rollout(state, [envs[i] for i in live], [groups[i] for i in live], version,
+                                   key if piece == 0 else jax.random.fold_in(key, piece))
+            for i, s in zip(live, samples):
+                s.episode, s.segment = i, piece
+            out += samples
+            live = [i for i, s in zip(live, samples) if s.status == "compacted"]
+            if not live:
+                break
+        final = {s.episode: s for s in out}  # appended in segment order: the last wins
+        for s in final.values():
+            if s.status == "compacted":  # max_pieces reached
+                s.status = "truncated"
+        for s in out:
+            s.reward = final[s.episode].reward
+        return sorted(out, key=lambda s: (s.episode, s.segment))
 
 
 def filter_groups(samples: Sequence[Sample], version: int, max_staleness: int, group_size: int):
