@@ -1,6 +1,7 @@
 """Compaction on a scripted episode (issue 47; glmjax/rl/compaction.py): a ToolEnv with a context budget, a scripted
 policy and the built-in rule keep_last:1 give the sub-trajectories and prompts written out below by hand, and the
 sampler plays the same sub-trajectories (`Sampler.play_episodes`)."""
+import json
 import re
 
 import jax
@@ -11,7 +12,7 @@ import pytest
 from glmjax.config import ConfigError
 from glmjax.rl.compaction import Budget, keep_last, make_rule
 from glmjax.rl.env import EOS, ToolEnv, play_script, run_script
-from glmjax.rl.rollout import Sampler
+from glmjax.rl.rollout import Sample, Sampler, filter_groups
 from glmjax.rl.tasks import Problem
 from glmjax.rl.text import TOK, encode
 
@@ -116,3 +117,42 @@ def test_the_sampler_plays_the_sub_trajectories_a_script_plays():
     assert all(s.reward == 1.0 for s in got)
     plain = Sampler(CallingDecoder(8, "3+4="), 1, 96, 128).rollout(None, [env(False)], [1], 3, jax.random.key(0))[0]
     assert got[3].response.tolist() == plain.response.tolist() and got[3].reward == plain.reward == 1.0
+
+
+def test_filter_groups_counts_episodes_not_sub_trajectories():
+    """Group of 4 (group_size 4): episode 0 compacted into 2 sub-trajectories, episode 1 one, episode 2 crashed,
+    episode 3 one: 3 valid episodes > 2 are kept and padded to 4 with a copy of episode 0 under a new id."""
+    def piece(episode, segment, status="ok"):
+        return Sample(np.array([1]), np.array([2]), np.ones(1, np.float32), np.zeros(1, np.float32), 5, status, 0,
+                      1.0, {}, episode, segment)
+
+    samples = [piece(0, 0, "compacted"), piece(0, 1), piece(1, 0), piece(2, 0, "env_crash"), piece(3, 0)]
+    kept, counts = filter_groups(samples, 5, 2, 4)
+    assert [(s.episode, s.segment) for s in kept] == [(0, 0), (0, 1), (1, 0), (3, 0), (4, 0), (4, 1)]
+    assert counts["dropped_env_crash"] == 1 and counts["samples_padded"] == 2 and counts["groups_padded"] == 1
+
+
+@pytest.mark.slow
+def test_a_ppo_step_runs_on_compacted_episodes(tmp_path, monkeypatch):
+    """Through train.py's entry (`glmjax.launch.run`): the tool environment after a supervised warm-up on calculator
+    demonstrations (a call, its output, the answer), a 16-token budget that the call and its output overflow, and a
+    user rule (the task and the end of the last output): episodes go on in a second sub-trajectory, GAE runs along them, the
+    steps train and log sub-trajectories per episode."""
+    from configs import ppo_tiny
+    from glmjax.launch import run
+
+    (tmp_path / "user_compaction.py").write_text(
+        "def last_output(prompt, turns, text):\n    return list(prompt) + list(turns[-1][1])[-3:]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    c = ppo_tiny.get_config()
+    c.ppo.update(env="tool", sft_script="calc", sft_steps=30, sft_batch_size=32, prompts_per_step=4, group_size=2,
+                 steps=3, critic_warmup_steps=1, async_rollout=False, eval_every=0, eval_problems=8, eval_samples=1,
+                 max_prompt_len=12, max_response_len=12, context_budget=16, compaction_headroom=4,
+                 compaction="user_compaction:last_output", max_sub_trajectories=3, log_every=1)
+    c.optim.warmup_steps = 1
+    s = run(c, str(tmp_path / "run"), progress=False)
+    rows = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl") if "reward_mean" in x]
+    assert len(rows) == 3 and all(np.isfinite(r["value_loss"]) for r in rows)
+    assert np.mean([r["sub_trajectories_per_episode"] for r in rows]) > 1.5, rows  # most episodes compact
+    assert sum(r["compactions"] for r in rows) > 0 and all(r["sub_trajectory_len_mean"] <= 16 for r in rows)
+    assert np.isfinite(s["eval_accuracy"])

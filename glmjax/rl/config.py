@@ -12,6 +12,7 @@ import jax
 import ml_collections
 
 from glmjax.config import ConfigError, ModelConfig
+from glmjax.rl.compaction import make_rule
 from glmjax.rl.env import ENVS
 from glmjax.rl.losses import AGGREGATIONS, POLICY_LOSSES
 from glmjax.rl.prompts import TASKS
@@ -37,6 +38,13 @@ def default_ppo_config(**overrides) -> ml_collections.ConfigDict:
     c.tools = placeholder(str)  # optional "package.module:NAME": a dict {tool name: fn(argument, problem) -> str}
     c.heldout_fraction = 0.2  # share of problems held out (by hash) for evaluation
     c.max_tool_calls = 3
+    # compaction (glmjax/rl/compaction.py, docs/ppo.md "Compaction"; env "tool" with byte tokens): a sub-trajectory
+    # holds at most context_budget tokens (0: off); when a tool's output would leave fewer than compaction_headroom
+    # for the next turn, the episode goes on in a new sub-trajectory whose prompt is the compacted conversation
+    c.context_budget = 0
+    c.compaction = "keep_last:2"  # "keep_last:K" (the task, a summary line, the last K turns) or "pkg.mod:fn"
+    c.compaction_headroom = 16
+    c.max_sub_trajectories = 4  # per episode; the learner's rows hold prompts_per_step x group_size x this
     c.env_crash_prob = 0.0  # simulated environment crashes per tool call (exercises the dropping rule)
     c.interceptor = True  # block tool calls that read protected answers / fetch reference solutions
     c.judge = placeholder(str)  # optional "package.module:function" judge(call, rule) -> bool confirming a block
@@ -161,6 +169,8 @@ def validate_ppo_config(config) -> ModelConfig:
               "ppo_epochs", "minibatches", "micro_batches", "data_parallel", "eval_problems", "eval_samples",
               "log_every", "sft_batch_size", "logprob_chunk", "keep_checkpoints"):
         integer(f, 1)
+    for f in ("context_budget", "compaction_headroom", "max_sub_trajectories"):
+        integer(f, 1 if f == "max_sub_trajectories" else 0)
     for f in ("seed", "max_staleness", "critic_warmup_steps", "sft_steps", "eval_every", "max_tool_calls",
               "checkpoint_every"):
         integer(f, 0)
@@ -234,6 +244,16 @@ def validate_ppo_config(config) -> ModelConfig:
         fail("sft_steps", "a supervised warm-up and init_checkpoint exclude each other")
     if not hasattr(p.critic_optim, "keys"):
         fail("critic_optim", "must be a dict of optim overrides, e.g. {'lr': 1e-3}")
+    if p.context_budget:
+        if p.env != "tool" or p.tokenizer != "byte":
+            fail("context_budget", "compaction is written for env='tool' with the byte tokenizer (the chat template's "
+                 "compaction is not yet)")
+        if p.max_prompt_len < p.context_budget - p.compaction_headroom:
+            fail("max_prompt_len", f"must hold a compacted prompt: >= context_budget - compaction_headroom = "
+                 f"{p.context_budget - p.compaction_headroom}")
+        if not 0 < p.compaction_headroom < p.context_budget:
+            fail("compaction_headroom", f"must be in (0, context_budget={p.context_budget})")
+        make_rule(p.compaction)
     max_pos = model_cfg.max_position_embeddings
     if p.max_prompt_len + p.max_response_len > max_pos:
         fail("max_response_len", f"max_prompt_len + max_response_len = {p.max_prompt_len + p.max_response_len} "

@@ -44,6 +44,7 @@ from glmjax.model import GLM
 from glmjax.optim import build_optimizer, make_schedule, validate_optim_config
 from glmjax.resolve import write_import
 from glmjax.rl.advantages import episode_gae, episode_grpo, episode_rows, explained_variance, masked_whiten
+from glmjax.rl.compaction import Budget, make_rule
 from glmjax.rl.config import validate_ppo_config
 from glmjax.rl.chat_env import ChatToolEnv
 from glmjax.rl.env import BYTES, ENVS, SCRIPTS, run_script
@@ -87,9 +88,16 @@ def build_text(p, vocab_size: int):
     return ChatText(tok, template)
 
 
-def env_factory(p, task_reward, interceptor, text=BYTES, tools=None, crash_prob: float | None = None):
-    """-> make_env(problem, rng) for the configured environment (crash_prob: overrides ppo.env_crash_prob)."""
+def env_factory(p, task_reward, interceptor, text=BYTES, tools=None, crash_prob: float | None = None,
+                compaction: bool = True):
+    """-> make_env(problem, rng) for the configured environment (crash_prob: overrides ppo.env_crash_prob); with
+    ppo.context_budget (and `compaction`), each episode's Budget (compaction.py)."""
     crash_prob = p.env_crash_prob if crash_prob is None else crash_prob
+    if p.env == "tool" and text is BYTES and p.context_budget and compaction:
+        rule = make_rule(p.compaction)
+        return lambda problem, rng: ENVS["tool"](problem, task_reward, interceptor, p.max_tool_calls, crash_prob,
+                                                 rng, tools, budget=Budget(p.context_budget, rule,
+                                                                           p.compaction_headroom, text))
     if p.env == "tool" and text is not BYTES:
         return lambda problem, rng: ChatToolEnv(problem, task_reward, text, interceptor, p.max_tool_calls,
                                                 crash_prob, rng, tools)
@@ -339,6 +347,7 @@ class PPORun:
         self.make_env = env_factory(p, reward_fn, interceptor, self.text, tools)
         # evaluation and demonstrations run without the simulated crashes (they exercise the rollout dropping rule)
         self.make_clean_env = env_factory(p, reward_fn, interceptor, self.text, tools, crash_prob=0.0)
+        self.make_demo_env = env_factory(p, reward_fn, interceptor, self.text, tools, 0.0, compaction=False)
         if p.init_checkpoint is not None and load_params is None:
             raise ConfigError(f"ppo.init_checkpoint={p.init_checkpoint!r}: needs a params loader (train_ppo(..., "
                               "load_params=...))")
@@ -381,7 +390,7 @@ class PPORun:
 
             def demo(rng):
                 problem = self.task.sample(rng)
-                return run_script(self.make_clean_env(problem, rng), script(problem))
+                return run_script(self.make_demo_env(problem, rng), script(problem))  # whole episodes
 
             losses = supervised_warmup(model, demo, p.sft_steps, p.sft_batch_size, self.L, optim, p.sft_lr, p.mode,
                                        self.text.pad_id, p.seed, progress)
@@ -397,7 +406,8 @@ class PPORun:
         envs = [self.make_env(pr, self.gen_rng) for pr in problems for _ in range(p.group_size)]
         groups = [g for g in range(p.prompts_per_step) for _ in range(p.group_size)]
         self.gen_key, sub = jax.random.split(self.gen_key)
-        samples = self.sampler.rollout(state, envs, groups, version, sub)
+        samples = self.sampler.play_episodes(state, envs, groups, version, sub, p.max_sub_trajectories) \
+            if p.context_budget else self.sampler.rollout(state, envs, groups, version, sub)
         return RolloutBatch(samples, version, time.perf_counter() - t, sum(len(s.response) for s in samples),
                             self.rollout_rng())
 
@@ -448,8 +458,10 @@ class PPORun:
             for i in range(0, len(problems), B):
                 chunk = problems[i:i + B]
                 envs = [self.make_clean_env(pr, np.random.default_rng([p.seed, i, j])) for j, pr in enumerate(chunk)]
-                samples = smp.rollout(state, envs, list(range(len(chunk))), -1, jax.random.key(i))
-                rewards += [s.reward for s in samples if s.status != "env_crash"]
+                key = jax.random.key(i)
+                samples = smp.play_episodes(state, envs, list(range(len(chunk))), -1, key, p.max_sub_trajectories) \
+                    if p.context_budget else smp.rollout(state, envs, list(range(len(chunk))), -1, key)
+                rewards += [s.reward for s in samples if s.status != "env_crash" and s.segment == 0]
             out[name] = float(np.mean(np.asarray(rewards) == 1.0)) if rewards else float("nan")
             out[name.replace("accuracy", "reward")] = float(np.mean(rewards)) if rewards else float("nan")
         return out
@@ -473,7 +485,8 @@ class PPORun:
         tt = time.perf_counter()
         train_actor = step > p.critic_warmup_steps
         if samples:
-            m.update(self.learner.update(samples, version, self.B, self.L, train_actor))
+            rows = self.B * (p.max_sub_trajectories if p.context_budget else 1)
+            m.update(self.learner.update(samples, version, rows, self.L, train_actor))
             if train_actor:
                 self.version += 1
                 if worker:
@@ -589,11 +602,13 @@ def eval_line(step: int, e: dict, m: dict) -> str:
 
 
 def rollout_metrics(batch: RolloutBatch, version: int) -> dict:
-    ok = [s for s in batch.samples if s.status != "env_crash"]
+    """Per episode (the last sub-trajectory of a compacted one) for rewards and outcomes; with compaction, also
+    sub-trajectories per episode, their lengths (prompt + response: mean, std) and the compactions."""
+    ok = [s for s in batch.samples if s.status not in ("env_crash", "compacted")]
     rewards = np.array([s.reward for s in ok]) if ok else np.zeros(1)
     hacked = [s.reward for s in ok if s.intercepted]
     clean = [s.reward for s in ok if not s.intercepted]
-    return {"reward_mean": float(rewards.mean()), "solved": float(np.mean(rewards == 1.0)),
+    m = {"reward_mean": float(rewards.mean()), "solved": float(np.mean(rewards == 1.0)),
             "response_tokens": float(np.mean([s.loss_mask.sum() for s in ok])) if ok else 0.0,
             "truncated": sum(s.status == "truncated" for s in batch.samples),
             "staleness": float(np.mean([version - s.version for s in batch.samples])),
@@ -602,6 +617,14 @@ def rollout_metrics(batch: RolloutBatch, version: int) -> dict:
             "reward_not_intercepted": float(np.mean(clean)) if clean else None,
             "tool_calls": float(np.mean([s.info.get("tool_calls", 0) for s in batch.samples])),
             "rollout_tokens_per_s": batch.tokens / max(batch.generate_s, 1e-9)}
+    pieces = [s for s in batch.samples if s.episode >= 0]
+    if pieces:
+        per = np.bincount([s.episode for s in pieces])
+        per = per[per > 0]
+        lengths = np.array([len(s.prompt) + len(s.response) for s in pieces], np.float64)
+        m.update(sub_trajectories_per_episode=float(per.mean()), sub_trajectory_len_mean=float(lengths.mean()),
+                 sub_trajectory_len_std=float(lengths.std()), compactions=int(per.sum() - len(per)))
+    return m
 
 
 def kl_init(data: dict) -> float:

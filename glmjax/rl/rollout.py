@@ -161,35 +161,42 @@ class Sampler:
 
 
 def filter_groups(samples: Sequence[Sample], version: int, max_staleness: int, group_size: int):
-    """GLM-5's sample hygiene. A sample is invalid if its environment crashed or it is more than `max_staleness`
-    versions older than `version`. A group with more than half of `group_size` valid samples is kept and padded
-    back to `group_size` by repeating its valid samples in order; any other group is dropped whole.
-    -> (kept samples, counts)."""
-    by_group = defaultdict(list)
-    for s in samples:
-        by_group[s.group].append(s)
+    """GLM-5's sample hygiene, by episode (the sub-trajectories of a compacted episode are one: `play_episodes`). An
+    episode is invalid if its environment crashed or it is more than `max_staleness` versions older than
+    `version`. A group with more than half of `group_size` valid episodes is kept and padded back to `group_size`
+    by repeating its valid episodes in order (a repeated compacted episode under a new episode id); any other group
+    is dropped whole. Counts are of samples. -> (kept samples, counts)."""
+    by_group: dict[int, dict] = defaultdict(dict)
+    for k, s in enumerate(samples):
+        by_group[s.group].setdefault(s.episode if s.episode >= 0 else -1 - k, []).append(s)
     counts = dict.fromkeys(["samples_in", "dropped_stale", "dropped_env_crash", "groups_padded", "samples_padded",
                             "groups_dropped", "samples_dropped_with_group"], 0)
     counts["samples_in"] = len(samples)
-    kept = []
-    for g, members in by_group.items():
+    kept, fresh = [], max((s.episode for s in samples), default=-1) + 1
+    for g, episodes in by_group.items():
         valid = []
-        for s in members:
-            if s.status == "env_crash":
-                counts["dropped_env_crash"] += 1
-            elif version - s.version > max_staleness:
-                counts["dropped_stale"] += 1
+        for pieces in episodes.values():
+            if any(s.status == "env_crash" for s in pieces):
+                counts["dropped_env_crash"] += len(pieces)
+            elif version - pieces[0].version > max_staleness:
+                counts["dropped_stale"] += len(pieces)
             else:
-                valid.append(s)
+                valid.append(pieces)
         if 2 * len(valid) > group_size:
-            missing = group_size - len(valid)
+            missing = max(group_size - len(valid), 0)
             if missing > 0:
                 counts["groups_padded"] += 1
-                counts["samples_padded"] += missing
-            kept += valid + [valid[i % len(valid)] for i in range(max(missing, 0))]
+            for pieces in valid:
+                kept += pieces
+            for i in range(missing):
+                pieces = valid[i % len(valid)]
+                if pieces[0].episode >= 0:  # a copy of a compacted episode: an episode of its own
+                    pieces, fresh = [dataclasses.replace(s, episode=fresh) for s in pieces], fresh + 1
+                kept += pieces
+                counts["samples_padded"] += len(pieces)
         else:
             counts["groups_dropped"] += 1
-            counts["samples_dropped_with_group"] += len(valid)
+            counts["samples_dropped_with_group"] += sum(len(p) for p in valid)
     return kept, counts
 
 
