@@ -136,8 +136,8 @@ def test_filter_groups_counts_episodes_not_sub_trajectories():
 def test_a_ppo_step_runs_on_compacted_episodes(tmp_path, monkeypatch):
     """Through train.py's entry (`glmjax.launch.run`): the tool environment after a supervised warm-up on calculator
     demonstrations (a call, its output, the answer), a 16-token budget that the call and its output overflow, and a
-    user rule (the task and the end of the last output): episodes go on in a second sub-trajectory, GAE runs along them, the
-    steps train and log sub-trajectories per episode."""
+    user rule (the task and the end of the last output): episodes go on in a second sub-trajectory, GAE runs along
+    them, the steps train and log sub-trajectories per episode."""
     from configs import ppo_tiny
     from glmjax.launch import run
 
