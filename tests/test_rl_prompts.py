@@ -170,3 +170,28 @@ def test_tokenizer_larger_than_the_model_and_missing_template_are_refused(tok_di
     assert build_text(default_ppo_config(tokenizer="hf:" + plain), vocab).template is None  # BOS + prompt text
     with pytest.raises(DataError, match="has no chat template"):
         build_text(default_ppo_config(tokenizer="hf:" + plain, env="tool"), vocab)
+
+
+def test_a_chat_tool_episode_compacts_through_the_template(text, ref):
+    """ChatToolEnv with a budget that the fifth call's result overflows (compaction.py, keep_last:1): the next
+    sub-trajectory's prompt is the template's rendering (transformers' apply_chat_template) of the task, a user
+    message summarising the first four calls, and the fifth with its result; the episode then ends in it."""
+    from glmjax.rl.compaction import COMPACT, Budget, chat_rule
+
+    problem = Problem("How tall is the tower?", "330", {"prompt": "How tall is the tower?"})
+    tools = {"lookup": lambda arg, p: f"<{arg}>"}
+    names = ["tower", "height", "base", "roof", "spire"]
+    calls = [text.encode(f"lookup:{n}") + [text.eos_id] for n in names]
+    probe = ChatToolEnv(problem, lambda response, p: 0.0, text, max_calls=9, tools=tools)  # token counts
+    used = len(probe.prompt()) + sum(len(c) + len(probe.step(c)) for c in calls[:-1])
+    last = len(calls[-1]) + len(probe.step(calls[-1]))
+    env = ChatToolEnv(problem, lambda response, p: float(response.strip() == p.answer), text, max_calls=9, tools=tools)
+    env.budget = Budget(used + last + 8 - 1, chat_rule("keep_last:1", env), 8, text)  # one token short at call 5
+    first = env.prompt()
+    assert all(env.step(c) not in (None, COMPACT) for c in calls[:-1]) and env.step(calls[-1]) is COMPACT
+    summary = "[earlier: 4 turns, the last 2: lookup:base -> <base>; lookup:roof -> <roof>]"
+    conversation = [{"role": "user", "content": problem.prompt}, {"role": "user", "content": summary},
+                    {"role": "assistant", "content": "lookup:spire"}, {"role": "tool", "content": "<spire>"}]
+    want = ref.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True, return_dict=True)
+    assert env.prompt() == list(want["input_ids"]) != first
+    assert env.step(text.encode("330") + [text.eos_id]) is None and env.reward() == 1.0

@@ -5,12 +5,15 @@ tokenizer's EOS and is decoded; a turn whose text is one line "<tool>:<argument>
 built-in calc / read / fetch of ToolEnv, and ppo.tools) is a tool call: the conversation gets the turn as an
 assistant message and the tool's output as a tool message, and the observation fed to the policy (loss mask 0) is
 what the template writes after the turn (glmjax/rl/text.py ChatText.observation). Any other turn is the final
-answer. The interceptor checks every call first, the user's tools included.
+answer. The interceptor checks every call first, the user's tools included. With a Budget (compaction.py,
+`chat_rule`), an episode that outgrows its context goes on from its compacted conversation, rendered by the
+template.
 """
 from __future__ import annotations
 
 from typing import Sequence
 
+from glmjax.rl.compaction import COMPACT
 from glmjax.rl.env import EnvCrash, ToolEnv
 
 BUILTIN_TOOLS = ("calc", "read", "fetch")
@@ -18,8 +21,8 @@ BUILTIN_TOOLS = ("calc", "read", "fetch")
 
 class ChatToolEnv(ToolEnv):
     def __init__(self, problem, reward_fn, text, interceptor=None, max_calls=3, crash_prob=0.0, rng=None,
-                 tools=None):
-        super().__init__(problem, reward_fn, interceptor, max_calls, crash_prob, rng, tools, text)
+                 tools=None, budget=None):
+        super().__init__(problem, reward_fn, interceptor, max_calls, crash_prob, rng, tools, text, budget)
         self.stop_tokens = (text.eos_id,)
         self.messages = list(problem.messages)
         self.offered = set(BUILTIN_TOOLS) | set(self.tools)
@@ -37,4 +40,5 @@ class ChatToolEnv(ToolEnv):
             raise EnvCrash("simulated tool-server crash")
         output = self.run_tool(content.strip())
         self.messages += [{"role": "assistant", "content": content}, {"role": "tool", "content": output}]
-        return self.text.observation(self.messages, self.problem.row.get("tools") if self.problem.row else None)
+        obs = self.text.observation(self.messages, self.problem.row.get("tools") if self.problem.row else None)
+        return COMPACT if self.budget is not None and self.budget.after_turn(turn, obs) else obs

@@ -46,14 +46,46 @@ def keep_last(k: int) -> Rule:
 
 
 def summary(turns: Sequence[tuple[list[int], list[int]]]) -> str:
-    """One line of bounded length: '[earlier: 6 turns, the last 2: calc:5+0 -> 5; calc:6+0 -> 6]\\n' (byte text;
-    each call and output shortened to SUMMARY_CHARS)."""
-    def short(ids):
-        return decode(ids).strip().lstrip("=")[:SUMMARY_CHARS]
+    """One line of bounded length: '[earlier: 6 turns, the last 2: calc:5+0 -> 5; calc:6+0 -> 6]\\n' (byte text)."""
+    return summary_text([(decode(t), decode(o).strip().lstrip("=")) for t, o in turns]) + "\n"
 
-    last = turns[-SUMMARY_TURNS:]
-    return (f"[earlier: {len(turns)} turn{'s' * (len(turns) > 1)}, the last {len(last)}: "
-            + "; ".join(f"{short(t)} -> {short(o)}" for t, o in last) + "]\n")
+
+def summary_text(calls: Sequence[tuple[str, str]]) -> str:
+    """(call, output) texts -> '[earlier: N turns, the last 2: call -> output; ...]', each shortened to
+    SUMMARY_CHARS."""
+    last = calls[-SUMMARY_TURNS:]
+    return (f"[earlier: {len(calls)} turn{'s' * (len(calls) > 1)}, the last {len(last)}: "
+            + "; ".join(f"{c.strip()[:SUMMARY_CHARS]} -> {o.strip()[:SUMMARY_CHARS]}" for c, o in last) + "]")
+
+
+def compact_messages(task: list[dict], messages: list[dict], k: int) -> list[dict]:
+    """A chat episode's compacted conversation: the task's messages (system prompt and task), one user message
+    summarising the tool turns before the last k (`summary_text`), the last k (assistant, tool) pairs."""
+    pairs = [messages[i:i + 2] for i in range(len(task), len(messages), 2)]
+    earlier, kept = pairs[:-k], pairs[-k:]
+    out = list(task)
+    if earlier:
+        out.append({"role": "user", "content": summary_text([(a["content"], t["content"]) for a, t in earlier])})
+    for pair in kept:
+        out += pair
+    return out
+
+
+def chat_rule(spec: str, env) -> Rule:
+    """The rule of a chat tool environment (glmjax/rl/chat_env.py): "keep_last:K" compacts its messages and renders
+    them with the chat template (add_generation_prompt: the prompt ends with the last tool result and the next
+    assistant header); a user rule gets the tokens, as in the byte environment."""
+    name, _, arg = spec.partition(":")
+    if name != "keep_last":
+        return make_rule(spec)
+    make_rule(spec)  # the same checks of K
+    k = int(arg)
+
+    def rule(prompt: list[int], turns, text) -> list[int]:
+        tools = env.problem.row.get("tools") if env.problem.row else None
+        return text.encode(text.template.prompt(compact_messages(list(env.problem.messages), env.messages, k), tools))
+
+    return rule
 
 
 def make_rule(spec: str) -> Rule:

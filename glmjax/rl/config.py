@@ -245,9 +245,8 @@ def validate_ppo_config(config) -> ModelConfig:
     if not hasattr(p.critic_optim, "keys"):
         fail("critic_optim", "must be a dict of optim overrides, e.g. {'lr': 1e-3}")
     if p.context_budget:
-        if p.env != "tool" or p.tokenizer != "byte":
-            fail("context_budget", "compaction is written for env='tool' with the byte tokenizer (the chat template's "
-                 "compaction is not yet)")
+        if p.env != "tool":
+            fail("context_budget", "compaction is for multi-turn episodes: env='tool'")
         if p.max_prompt_len < p.context_budget - p.compaction_headroom:
             fail("max_prompt_len", f"must hold a compacted prompt: >= context_budget - compaction_headroom = "
                  f"{p.context_budget - p.compaction_headroom}")
