@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from glmjax.config import ConfigError
-from glmjax.rl.compaction import Budget, keep_last, make_rule
+from glmjax.rl.compaction import ASK, Budget, keep_last, make_budget, make_rule
 from glmjax.rl.env import EOS, ToolEnv, play_script, run_script
 from glmjax.rl.rollout import Sample, Sampler, filter_groups
 from glmjax.rl.tasks import Problem
@@ -156,3 +156,27 @@ def test_a_ppo_step_runs_on_compacted_episodes(tmp_path, monkeypatch):
     assert np.mean([r["sub_trajectories_per_episode"] for r in rows]) > 1.5, rows  # most episodes compact
     assert sum(r["compactions"] for r in rows) > 0 and all(r["sub_trajectory_len_mean"] <= 16 for r in rows)
     assert np.isfinite(s["eval_accuracy"])
+
+
+def test_a_summary_written_by_the_policy_is_its_own_tokens():
+    """policy_summary:1, budget 160 with 80 kept free: call 7's output overflows (5 + 12 * 6 + 9 + 3 + 80 = 169 >
+    160); the environment shows the output and ASK (loss mask 0), the policy's summary turn is policy tokens of the
+    first sub-trajectory, and the second starts from the task, "[summary: ...]" and call 7 with its output."""
+    def policy(obs):
+        if obs and obs[-1].endswith(ASK.strip()):
+            return "calls 1-7 returned 1-7\n"
+        done = sum(not o.startswith("[") and "[context" not in o for o in obs)
+        return f"calc:{done + 1}+0\n" if done < 8 else "8"
+
+    env = ToolEnv(Problem("3+4=", "8"), lambda answer, problem: float(answer == problem.answer), max_calls=10,
+                  budget=make_budget("policy_summary:1", 160, 80))
+    subs = play_script(env, policy)
+    task = [TOK.BOS] + encode("3+4=")
+    call, out = (lambda i: encode(f"calc:{i}+0\n")), (lambda i: encode(f"={i}\n"))
+    summary = encode("calls 1-7 returned 1-7\n")
+    first = sum((call(i) + out(i) for i in range(1, 7)), []) + call(7) + out(7) + encode(ASK) + summary
+    first_mask = ([1] * 9 + [0] * 3) * 6 + [1] * 9 + [0] * (3 + len(encode(ASK))) + [1] * len(summary)
+    second_prompt = task + encode("[summary: calls 1-7 returned 1-7]\n") + call(7) + out(7)
+    assert subs == [(task, first, first_mask), (second_prompt, call(8) + out(8) + encode("8") + [EOS],
+                                                [1] * 9 + [0] * 3 + [1, 1])]
+    assert env.budget.compactions == 1 and env.reward() == 1.0

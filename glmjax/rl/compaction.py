@@ -102,16 +102,35 @@ def make_rule(spec: str) -> Rule:
     return resolve_callable(spec, {}, "compaction")
 
 
+def make_budget(spec: str, context_budget: int, headroom: int, text=None) -> "Budget":
+    """ppo.compaction -> an episode's Budget: "keep_last:K" or "pkg.mod:fn" (a rule), or "policy_summary:K" (the
+    policy writes the summary; byte tokens)."""
+    name, _, arg = spec.partition(":")
+    if name == "policy_summary":
+        keep_last(int(arg) if arg.isdigit() else 0)  # K >= 1, checked as keep_last's
+        return Budget(context_budget, None, headroom, text, policy_summary=int(arg))
+    return Budget(context_budget, make_rule(spec), headroom, text)
+
+
 COMPACT = ("compact",)  # what env.step returns when the episode goes on in a new sub-trajectory
+
+
+ASK = "[context full: summarise the episode so far in one line]\n"  # the policy's cue to write its summary (bytes)
 
 
 class Budget:
     """An episode's token accounting for compaction: `context_budget` tokens per sub-trajectory (prompt and
     response), of which `headroom` must stay free for the policy's next turn after an observation. text: the
-    environment's token rule, handed to the rule."""
+    environment's token rule, handed to the rule. keep (policy_summary): the summary is written by the policy
+    itself -- on overflow the environment shows the observation and ASK (loss mask 0), the policy's next turn is the
+    summary (policy tokens of this sub-trajectory), and the next prompt is the task, that summary and the last
+    `keep` turns (`summarised`); `headroom` must then hold ASK and the summary."""
 
-    def __init__(self, context_budget: int, rule: Rule, headroom: int, text=None):
+    def __init__(self, context_budget: int, rule: Rule | None, headroom: int, text=None,
+                 policy_summary: int | None = None):
         self.context_budget, self.rule, self.headroom, self.text = context_budget, rule, headroom, text
+        self.policy_summary = policy_summary
+        self.summarising = False
         self.first_prompt: list[int] = []
         self.turns: list[tuple[list[int], list[int]]] = []
         self.prompt: list[int] | None = None  # the current sub-trajectory's prompt
@@ -133,10 +152,24 @@ class Budget:
         if self.used + len(obs) + self.headroom <= self.context_budget:
             self.used += len(obs)
             return False
-        self.prompt = list(self.rule(self.first_prompt, self.turns, self.text))
+        if self.policy_summary:  # the policy writes the summary first (the environment asks: `summarised`)
+            self.summarising = True
+            return True
+        self._compacted(list(self.rule(self.first_prompt, self.turns, self.text)))
+        return True
+
+    def summarised(self, turn: Sequence[int]) -> None:
+        """The policy's summary turn (after ASK) -> the next prompt: the task, "[summary: ...]" and the last
+        `policy_summary` turns."""
+        self.summarising = False
+        line = encode(f"[summary: {decode(turn).strip()}]\n")
+        kept = [x for pair in self.turns[-self.policy_summary:] for part in pair for x in part]
+        self._compacted(self.first_prompt + line + kept)
+
+    def _compacted(self, prompt: list[int]) -> None:
+        self.prompt = prompt
         if len(self.prompt) + self.headroom > self.context_budget:
             raise ConfigError(f"compaction: the compacted prompt has {len(self.prompt)} tokens, leaving fewer than "
                               f"{self.headroom} for the next turn within the context budget of {self.context_budget}")
         self.used = len(self.prompt)
         self.compactions += 1
-        return True

@@ -12,7 +12,7 @@ import jax
 import ml_collections
 
 from glmjax.config import ConfigError, ModelConfig
-from glmjax.rl.compaction import make_rule
+from glmjax.rl.compaction import make_budget
 from glmjax.rl.env import ENVS
 from glmjax.rl.losses import AGGREGATIONS, POLICY_LOSSES
 from glmjax.rl.prompts import TASKS
@@ -42,7 +42,8 @@ def default_ppo_config(**overrides) -> ml_collections.ConfigDict:
     # holds at most context_budget tokens (0: off); when a tool's output would leave fewer than compaction_headroom
     # for the next turn, the episode goes on in a new sub-trajectory whose prompt is the compacted conversation
     c.context_budget = 0
-    c.compaction = "keep_last:2"  # "keep_last:K" (the task, a summary line, the last K turns) or "pkg.mod:fn"
+    c.compaction = "keep_last:2"  # "keep_last:K" (the task, a summary line written by a rule, the last K turns),
+    # "policy_summary:K" (the summary written by the policy itself, as policy tokens) or "pkg.mod:fn"
     c.compaction_headroom = 16
     c.max_sub_trajectories = 4  # per episode; the learner's rows hold prompts_per_step x group_size x this
     c.env_crash_prob = 0.0  # simulated environment crashes per tool call (exercises the dropping rule)
@@ -252,7 +253,9 @@ def validate_ppo_config(config) -> ModelConfig:
                  f"{p.context_budget - p.compaction_headroom}")
         if not 0 < p.compaction_headroom < p.context_budget:
             fail("compaction_headroom", f"must be in (0, context_budget={p.context_budget})")
-        make_rule(p.compaction)
+        make_budget(p.compaction, p.context_budget, p.compaction_headroom)
+        if p.compaction.startswith("policy_summary:") and p.tokenizer != "byte":
+            fail("compaction", "a summary written by the policy is for byte tokens (the chat template's is not yet)")
     max_pos = model_cfg.max_position_embeddings
     if p.max_prompt_len + p.max_response_len > max_pos:
         fail("max_response_len", f"max_prompt_len + max_response_len = {p.max_prompt_len + p.max_response_len} "

@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from glmjax.config import ConfigError
-from glmjax.rl.compaction import COMPACT, Budget
+from glmjax.rl.compaction import ASK, COMPACT, Budget
 from glmjax.rl.interceptor import Interceptor, ToolCall
 from glmjax.rl.tasks import Problem, safe_eval
 from glmjax.rl.text import TOK, ByteText, decode, encode
@@ -95,6 +95,9 @@ class ToolEnv(SingleTurnEnv):
     def step(self, turn: Sequence[int]) -> list[int] | tuple | None:
         """-> the observation, None (the episode is over) or COMPACT (it goes on in a new sub-trajectory whose
         prompt, `prompt()`, ends with this turn's observation)."""
+        if self.budget is not None and self.budget.summarising:  # the policy's summary (compaction.py)
+            self.budget.summarised(turn)
+            return COMPACT
         if turn[-1] == EOS:
             return super().step(turn)
         self.info["tool_calls"] += 1
@@ -103,7 +106,9 @@ class ToolEnv(SingleTurnEnv):
         if self.crash_prob and self.rng.random() < self.crash_prob:
             raise EnvCrash("simulated tool-server crash")
         obs = encode(f"={self.run_tool(decode(turn).rstrip(chr(NEWLINE)))}\n")
-        return COMPACT if self.budget is not None and self.budget.after_turn(turn, obs) else obs
+        if self.budget is None or not self.budget.after_turn(turn, obs):
+            return obs
+        return obs + encode(ASK) if self.budget.summarising else COMPACT
 
     def run_tool(self, text: str) -> str:
         tool, sep, arg = text.partition(":")

@@ -44,7 +44,7 @@ from glmjax.model import GLM
 from glmjax.optim import build_optimizer, make_schedule, validate_optim_config
 from glmjax.resolve import write_import
 from glmjax.rl.advantages import episode_gae, episode_grpo, episode_rows, explained_variance, masked_whiten
-from glmjax.rl.compaction import Budget, chat_rule, make_rule
+from glmjax.rl.compaction import Budget, chat_rule, make_budget
 from glmjax.rl.config import validate_ppo_config
 from glmjax.rl.chat_env import ChatToolEnv
 from glmjax.rl.env import BYTES, ENVS, SCRIPTS, run_script
@@ -94,10 +94,9 @@ def env_factory(p, task_reward, interceptor, text=BYTES, tools=None, crash_prob:
     ppo.context_budget (and `compaction`), each episode's Budget (compaction.py)."""
     crash_prob = p.env_crash_prob if crash_prob is None else crash_prob
     if p.env == "tool" and text is BYTES and p.context_budget and compaction:
-        rule = make_rule(p.compaction)
         return lambda problem, rng: ENVS["tool"](problem, task_reward, interceptor, p.max_tool_calls, crash_prob,
-                                                 rng, tools, budget=Budget(p.context_budget, rule,
-                                                                           p.compaction_headroom, text))
+                                                 rng, tools, budget=make_budget(p.compaction, p.context_budget,
+                                                                                p.compaction_headroom, text))
     if p.env == "tool" and text is not BYTES:
         def chat_env(problem, rng):
             env = ChatToolEnv(problem, task_reward, text, interceptor, p.max_tool_calls, crash_prob, rng, tools)
