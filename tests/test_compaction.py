@@ -15,6 +15,7 @@ from glmjax.rl.env import EOS, ToolEnv, play_script, run_script
 from glmjax.rl.rollout import Sample, Sampler, filter_groups
 from glmjax.rl.tasks import Problem
 from glmjax.rl.text import TOK, encode
+from test_rl import ScriptedDecoder
 
 
 def calls_then_answer(n: int):
@@ -68,15 +69,13 @@ def test_rules_and_their_errors():
         play_script(env, calls_then_answer(5))
 
 
-class CallingDecoder:
-    """Stands in for glmjax.infer.Decoder: every row plays calls_then_answer(n) -- calc:1+0, calc:2+0, ... then the
-    last output -- reading the whole history, prompt included, so it goes on from a compacted prompt."""
+class CallingDecoder(ScriptedDecoder):
+    """Stands in for glmjax.infer.Decoder (test_rl's, with another policy): every row plays calls_then_answer(n) --
+    calc:1+0, calc:2+0, ... then the last output -- reading the whole history, prompt included, so it goes on from a
+    compacted prompt."""
 
     def __init__(self, n: int, task: str):
         self.n, self.task = n, task
-
-    def init_cache(self, B, T):
-        return [[] for _ in range(B)]
 
     def logits(self, hist):
         out = np.full((len(hist), 512), -1e9, np.float32)
@@ -88,15 +87,6 @@ class CallingDecoder:
             turn = encode(f"calc:{done + 1}+0\n") if done < self.n else encode(str(done)) + [EOS]
             out[b, turn[min(len(partial), len(turn) - 1)]] = 0
         return jnp.asarray(out)
-
-    def prefill(self, state, tokens, lengths, caches):
-        hist = [list(np.asarray(tokens)[b, :lengths[b]]) for b in range(len(caches))]
-        return self.logits(hist), hist
-
-    def decode(self, state, tok, cur, hist):
-        for b, t in enumerate(np.asarray(tok)):
-            hist[b].append(int(t))
-        return self.logits(hist), hist
 
 
 def test_the_sampler_plays_the_sub_trajectories_a_script_plays():
