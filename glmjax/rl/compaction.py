@@ -11,7 +11,8 @@ A rule maps the episode so far to the next sub-trajectory's prompt tokens:
 
 The built-in `keep_last(k)` ("keep_last:K") keeps the first prompt and the last k turns verbatim
 and replaces the turns before them by one summary line written by a rule (how many, and the last SUMMARY_TURNS
-calls with the start of their outputs). A rule is also "package.module:function". The new prompt always ends with
+calls with the start of their outputs); "policy_summary:K" has the policy write that summary itself (`Budget`). A
+rule is also "package.module:function". The new prompt always ends with
 the last observation, so the environment's answer to the last turn is never lost; its tokens are prompt tokens
 (loss mask 0).
 """
@@ -107,7 +108,8 @@ def make_budget(spec: str, context_budget: int, headroom: int, text=None) -> "Bu
     policy writes the summary; byte tokens)."""
     name, _, arg = spec.partition(":")
     if name == "policy_summary":
-        keep_last(int(arg) if arg.isdigit() else 0)  # K >= 1, checked as keep_last's
+        if not arg.isdigit() or int(arg) < 1:
+            raise ConfigError(f"compaction rule {spec!r}: policy_summary takes an integer K >= 1 (the turns kept)")
         return Budget(context_budget, None, headroom, text, policy_summary=int(arg))
     return Budget(context_budget, make_rule(spec), headroom, text)
 
@@ -121,10 +123,10 @@ ASK = "[context full: summarise the episode so far in one line]\n"  # the policy
 class Budget:
     """An episode's token accounting for compaction: `context_budget` tokens per sub-trajectory (prompt and
     response), of which `headroom` must stay free for the policy's next turn after an observation. text: the
-    environment's token rule, handed to the rule. keep (policy_summary): the summary is written by the policy
-    itself -- on overflow the environment shows the observation and ASK (loss mask 0), the policy's next turn is the
-    summary (policy tokens of this sub-trajectory), and the next prompt is the task, that summary and the last
-    `keep` turns (`summarised`); `headroom` must then hold ASK and the summary."""
+    environment's token rule, handed to the rule. policy_summary K: the summary is written by the policy itself --
+    on overflow the environment shows the observation and ASK (loss mask 0), the policy's next turn is the summary
+    (policy tokens of this sub-trajectory), and the next prompt is the task, that summary and the last K turns
+    (`summarised`); `headroom` must then hold ASK and the summary."""
 
     def __init__(self, context_budget: int, rule: Rule | None, headroom: int, text=None,
                  policy_summary: int | None = None):
