@@ -38,7 +38,7 @@ def default_ppo_config(**overrides) -> ml_collections.ConfigDict:
     c.tools = placeholder(str)  # optional "package.module:NAME": a dict {tool name: fn(argument, problem) -> str}
     c.heldout_fraction = 0.2  # share of problems held out (by hash) for evaluation
     c.max_tool_calls = 3
-    # compaction (glmjax/rl/compaction.py, docs/ppo.md "Compaction"; env "tool" with byte tokens): a sub-trajectory
+    # compaction (glmjax/rl/compaction.py, docs/ppo.md "Compaction"; env "tool"): a sub-trajectory
     # holds at most context_budget tokens (0: off); when a tool's output would leave fewer than compaction_headroom
     # for the next turn, the episode goes on in a new sub-trajectory whose prompt is the compacted conversation
     c.context_budget = 0

@@ -465,7 +465,7 @@ class PPORun:
                 key = jax.random.key(i)
                 samples = smp.play_episodes(state, envs, list(range(len(chunk))), -1, key, p.max_sub_trajectories) \
                     if p.context_budget else smp.rollout(state, envs, list(range(len(chunk))), -1, key)
-                rewards += [s.reward for s in samples if s.status != "env_crash" and s.segment == 0]
+                rewards += [s.reward for s in samples if s.status not in ("env_crash", "compacted")]  # per episode
             out[name] = float(np.mean(np.asarray(rewards) == 1.0)) if rewards else float("nan")
             out[name.replace("accuracy", "reward")] = float(np.mean(rewards)) if rewards else float("nan")
         return out
@@ -481,7 +481,7 @@ class PPORun:
         wait = time.perf_counter() - ts
         m = {"step": step, "version": version, **rollout_metrics(batch, version)}
         for b, s in enumerate(batch.samples):
-            for r in s.info.get("interceptions", ()):
+            for r in s.info.get("interceptions", ()) if s.status != "compacted" else ():  # once per episode
                 interceptions.write(json.dumps({"step": step, "sample": b, "group": s.group, **r}) + "\n")
         interceptions.flush()
         samples, counts = filter_groups(batch.samples, version, p.max_staleness, p.group_size)
@@ -608,19 +608,20 @@ def eval_line(step: int, e: dict, m: dict) -> str:
 def rollout_metrics(batch: RolloutBatch, version: int) -> dict:
     """Per episode (the last sub-trajectory of a compacted one) for rewards and outcomes; with compaction, also
     sub-trajectories per episode, their lengths (prompt + response: mean, std) and the compactions."""
-    ok = [s for s in batch.samples if s.status not in ("env_crash", "compacted")]
+    episodes = [s for s in batch.samples if s.status != "compacted"]  # one per episode (its info is the episode's)
+    ok = [s for s in episodes if s.status != "env_crash"]
     rewards = np.array([s.reward for s in ok]) if ok else np.zeros(1)
     hacked = [s.reward for s in ok if s.intercepted]
     clean = [s.reward for s in ok if not s.intercepted]
     m = {"reward_mean": float(rewards.mean()), "solved": float(np.mean(rewards == 1.0)),
-            "response_tokens": float(np.mean([s.loss_mask.sum() for s in ok])) if ok else 0.0,
-            "truncated": sum(s.status == "truncated" for s in batch.samples),
-            "staleness": float(np.mean([version - s.version for s in batch.samples])),
-            "interceptions": sum(sum(r["blocked"] for r in s.info.get("interceptions", ())) for s in batch.samples),
-            "intercepted_samples": len(hacked), "reward_intercepted": float(np.mean(hacked)) if hacked else None,
-            "reward_not_intercepted": float(np.mean(clean)) if clean else None,
-            "tool_calls": float(np.mean([s.info.get("tool_calls", 0) for s in batch.samples])),
-            "rollout_tokens_per_s": batch.tokens / max(batch.generate_s, 1e-9)}
+         "response_tokens": float(np.mean([s.loss_mask.sum() for s in ok])) if ok else 0.0,
+         "truncated": sum(s.status == "truncated" for s in batch.samples),
+         "staleness": float(np.mean([version - s.version for s in batch.samples])),
+         "interceptions": sum(sum(r["blocked"] for r in s.info.get("interceptions", ())) for s in episodes),
+         "intercepted_samples": len(hacked), "reward_intercepted": float(np.mean(hacked)) if hacked else None,
+         "reward_not_intercepted": float(np.mean(clean)) if clean else None,
+         "tool_calls": float(np.mean([s.info.get("tool_calls", 0) for s in episodes])),
+         "rollout_tokens_per_s": batch.tokens / max(batch.generate_s, 1e-9)}
     pieces = [s for s in batch.samples if s.episode >= 0]
     if pieces:
         per = np.bincount([s.episode for s in pieces])
