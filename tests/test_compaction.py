@@ -63,10 +63,15 @@ def test_rules_and_their_errors():
     assert make_rule("keep_last:2")([1], [([2], [3]), ([4], [5]), ([6], [7])], None)[-4:] == [4, 5, 6, 7]
     env = ToolEnv(Problem("3+4=", "3"), lambda a, p: 0.0, max_calls=10, budget=Budget(40, keep_last(2), headroom=8))
     # call 3's output does not fit (5 + 24 + 9 + 3 + 8 = 49 > 40); the task, the summary of call 1 and calls 2-3
-    # with their outputs make 5 + 45 + 24 = 74 tokens: no room for a turn
+    # with their outputs make 5 + 45 + 24 = 74 tokens, over the 32 that leave room for a turn: the prompt keeps the
+    # task and the last 27 tokens (the end of call 2's output, call 3 and its output)
     assert len(encode("[earlier: 1 turn, the last 1: calc:1+0 -> 1]\n")) == 45
-    with pytest.raises(ConfigError, match="the compacted prompt has 74 tokens, leaving fewer than 8"):
-        play_script(env, calls_then_answer(5))
+    subs = play_script(env, lambda obs: "calc:1+0\n" if len(obs) < 3 else "3")
+    full = [TOK.BOS] + encode("3+4=[earlier: 1 turn, the last 1: calc:1+0 -> 1]\ncalc:1+0\n=1\ncalc:1+0\n=1\n")
+    assert subs[1][0] == full[:5] + full[-27:] and env.budget.clipped >= 1
+    tight = ToolEnv(Problem("3+4=", "3"), lambda a, p: 0.0, max_calls=10, budget=Budget(12, keep_last(1), headroom=8))
+    with pytest.raises(ConfigError, match="the task's prompt has 5 tokens, leaving fewer than 8"):
+        play_script(tight, calls_then_answer(3))
 
 
 class CallingDecoder(ScriptedDecoder):
@@ -137,7 +142,7 @@ def test_a_ppo_step_runs_on_compacted_episodes(tmp_path, monkeypatch):
     c = ppo_tiny.get_config()
     c.ppo.update(env="tool", sft_script="calc", sft_steps=30, sft_batch_size=32, prompts_per_step=4, group_size=2,
                  steps=3, critic_warmup_steps=1, async_rollout=False, eval_every=0, eval_problems=8, eval_samples=1,
-                 max_prompt_len=12, max_response_len=12, context_budget=16, compaction_headroom=4,
+                 max_prompt_len=12, max_response_len=16, context_budget=16, compaction_headroom=4,
                  compaction="user_compaction:last_output", max_sub_trajectories=3, log_every=1)
     c.optim.warmup_steps = 1
     s = run(c, str(tmp_path / "run"), progress=False)

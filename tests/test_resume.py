@@ -379,3 +379,15 @@ def test_a_fingerprint_without_default_model_fields_still_matches():
     assert config_diff(old, now) == [] and config_diff(now, old) == []
     changed = dict(now, **{"model.routed_scaling_factor": 1.0})
     assert config_diff(old, changed) == ["model.routed_scaling_factor: 2.5 -> 1.0"]
+
+
+def test_a_ppo_field_added_since_the_checkpoint_counts_as_its_default():
+    """A PPO run checkpointed before ppo.context_budget existed resumes (the field at its default); set otherwise,
+    it is a changed config."""
+    from glmjax.rl.ppo import PPO_DEFAULTS
+    from glmjax.train.resume import config_diff
+
+    saved = {"ppo.steps": 3}
+    assert config_diff(saved, {"ppo.steps": 3, "ppo.context_budget": 0}, PPO_DEFAULTS) == []
+    assert config_diff(saved, {"ppo.steps": 3, "ppo.context_budget": 8}, PPO_DEFAULTS) == ["ppo.context_budget: 0 -> 8"]
+    assert config_diff(saved, {"ppo.steps": 3, "ppo.context_budget": 0}) == ["ppo.context_budget: '<absent>' -> 0"]

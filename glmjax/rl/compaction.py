@@ -137,7 +137,7 @@ class Budget:
         self.turns: list[tuple[list[int], list[int]]] = []
         self.prompt: list[int] | None = None  # the current sub-trajectory's prompt
         self.used = 0  # tokens of the current sub-trajectory
-        self.compactions = 0
+        self.compactions = self.clipped = 0
 
     def start(self, prompt: list[int]) -> list[int]:
         """The current sub-trajectory's prompt: `prompt` (the task's) for the first, the compacted conversation
@@ -169,9 +169,17 @@ class Budget:
         self._compacted(self.first_prompt + line + kept)
 
     def _compacted(self, prompt: list[int]) -> None:
-        self.prompt = prompt
-        if len(self.prompt) + self.headroom > self.context_budget:
-            raise ConfigError(f"compaction: the compacted prompt has {len(self.prompt)} tokens, leaving fewer than "
-                              f"{self.headroom} for the next turn within the context budget of {self.context_budget}")
-        self.used = len(self.prompt)
+        """The next sub-trajectory's prompt. One that leaves fewer than `headroom` tokens (a long tool output kept,
+        a long summary) keeps what it shares with the first prompt (the task) and as much of its end as fits;
+        counted in `clipped`."""
+        limit = self.context_budget - self.headroom
+        if len(prompt) > limit:
+            head = next((i for i, (a, b) in enumerate(zip(prompt, self.first_prompt)) if a != b),
+                        min(len(prompt), len(self.first_prompt)))
+            if head >= limit:
+                raise ConfigError(f"compaction: the task's prompt has {head} tokens, leaving fewer than "
+                                  f"{self.headroom} for a turn within the context budget of {self.context_budget}")
+            prompt = prompt[:head] + prompt[len(prompt) - (limit - head):]
+            self.clipped += 1
+        self.prompt, self.used = prompt, len(prompt)
         self.compactions += 1

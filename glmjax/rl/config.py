@@ -12,7 +12,7 @@ import jax
 import ml_collections
 
 from glmjax.config import ConfigError, ModelConfig
-from glmjax.rl.compaction import make_budget
+from glmjax.rl.compaction import ASK, make_budget
 from glmjax.rl.env import ENVS
 from glmjax.rl.losses import AGGREGATIONS, POLICY_LOSSES
 from glmjax.rl.prompts import TASKS
@@ -253,6 +253,12 @@ def validate_ppo_config(config) -> ModelConfig:
                  f"{p.context_budget - p.compaction_headroom}")
         if not 0 < p.compaction_headroom < p.context_budget:
             fail("compaction_headroom", f"must be in (0, context_budget={p.context_budget})")
+        if p.context_budget > p.max_response_len:
+            fail("context_budget", f"must be <= max_response_len={p.max_response_len} (a sub-trajectory's response "
+                 "must be able to fill it, or its rows are cut before compaction)")
+        if p.compaction.startswith("policy_summary:") and p.compaction_headroom <= len(ASK):
+            fail("compaction_headroom", f"must hold the cue ({len(ASK)} tokens) and the policy's summary "
+                 "(compaction='policy_summary:K')")
         make_budget(p.compaction, p.context_budget, p.compaction_headroom)
         if p.compaction.startswith("policy_summary:") and p.tokenizer != "byte":
             fail("compaction", "a summary written by the policy is for byte tokens (the chat template's is not yet)")

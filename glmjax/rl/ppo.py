@@ -45,7 +45,7 @@ from glmjax.optim import build_optimizer, make_schedule, validate_optim_config
 from glmjax.resolve import write_import
 from glmjax.rl.advantages import episode_gae, episode_grpo, episode_rows, explained_variance, masked_whiten
 from glmjax.rl.compaction import Budget, chat_rule, make_budget
-from glmjax.rl.config import validate_ppo_config
+from glmjax.rl.config import default_ppo_config, validate_ppo_config
 from glmjax.rl.chat_env import ChatToolEnv
 from glmjax.rl.env import BYTES, ENVS, SCRIPTS, run_script
 from glmjax.rl.interceptor import Interceptor
@@ -86,6 +86,10 @@ def build_text(p, vocab_size: int):
         template = ChatTemplate(tok.chat_template, tok.chat_template_file, tok.special_tokens,
                                 for_training=p.env == "tool")
     return ChatText(tok, template)
+
+
+# the ppo section's defaults: a field added since a run's checkpoints were written counts as its default on resume
+PPO_DEFAULTS = fingerprint({"ppo": json.loads(default_ppo_config().to_json())})
 
 
 def env_factory(p, task_reward, interceptor, text=BYTES, tools=None, crash_prob: float | None = None,
@@ -317,6 +321,9 @@ class Learner:
                         self.placement)
         if p.segment_advantage == "independent":
             chains = np.arange(len(mask))[:, None]
+        elif p.context_budget:  # one shape for every step: [rows, max_sub_trajectories] (no recompiles)
+            chains = np.pad(chains, ((0, len(mask) - len(chains)), (0, p.max_sub_trajectories - chains.shape[1])),
+                            constant_values=-1)
         values, adv, returns = (np.asarray(x) for x in _gae_both(
             data["rewards"], after, mask, data["last"], data["truncated"] * (p.truncation == "bootstrap"), chains,
             p.gamma, p.lam_actor, p.lam_critic))
@@ -435,7 +442,7 @@ class PPORun:
         model, trainer, _ = self.learner.checkpoint_state()
         now = fingerprint(self.config)
         restored = ckpt.restore_latest(model, trainer, lambda meta, step: check_resume(meta, step, now,
-                                                                                       ckpt.directory))
+                                                                                       ckpt.directory, PPO_DEFAULTS))
         if restored is None:
             raise CheckpointError(f"{ckpt.directory}: the checkpoint seen at start is gone; nothing was resumed")
         step, model, trainer, data, _ = restored
@@ -589,7 +596,8 @@ def settle_checkpoints(config, workdir: str) -> bool:
     if found is None:
         return False
     try:
-        check_resume(found[1], found[0], fingerprint(config), os.path.join(os.path.abspath(workdir), "checkpoints"))
+        check_resume(found[1], found[0], fingerprint(config), os.path.join(os.path.abspath(workdir), "checkpoints"),
+                     PPO_DEFAULTS)
     except ConfigMismatch as e:
         if config.ppo.on_config_change == "error":
             raise

@@ -53,10 +53,11 @@ def fingerprint(config) -> dict:
     return out
 
 
-def config_diff(saved: dict, now: dict) -> list[str]:
+def config_diff(saved: dict, now: dict, defaults: dict | None = None) -> list[str]:
     """'field: saved -> now' for every field that must match on resume. A model field absent on one side counts as
-    its ModelConfig default (configs written before every model field was in the config left defaults out)."""
-    defaults = fingerprint({"model": ModelConfig().to_json_dict()})
+    its ModelConfig default (configs written before every model field was in the config left defaults out), and so
+    does a field of `defaults` (a stage's section defaults: fields added since the checkpoint was written)."""
+    defaults = {**fingerprint({"model": ModelConfig().to_json_dict()}), **(defaults or {})}
     out = []
     for k in sorted(set(saved) | set(now)):
         old, new = saved.get(k, defaults.get(k, "<absent>")), now.get(k, defaults.get(k, "<absent>"))
@@ -66,14 +67,15 @@ def config_diff(saved: dict, now: dict) -> list[str]:
     return out
 
 
-def check_resume(meta: dict, step: int, now: dict, directory: str) -> None:
-    """Raises ConfigMismatch if checkpoint `step` (its meta) was written with a config that differs from `now`."""
+def check_resume(meta: dict, step: int, now: dict, directory: str, defaults: dict | None = None) -> None:
+    """Raises ConfigMismatch if checkpoint `step` (its meta) was written with a config that differs from `now`
+    (`config_diff`'s defaults)."""
     saved = meta.get("fingerprint")
     if saved is None:  # an older checkpoint: only the model config was recorded
         saved = {f"model.{k}": v for k, v in meta.get("model", {}).items()}
         both = set(saved) & set(now)
         saved, now = {k: saved[k] for k in both}, {k: now[k] for k in both}
-    diff = config_diff(saved, now)
+    diff = config_diff(saved, now, defaults)
     if diff:
         raise ConfigMismatch(
             f"workdir {os.path.dirname(directory)}: checkpoint step {step} was written with a different config "
