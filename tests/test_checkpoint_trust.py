@@ -11,6 +11,7 @@ import pytest
 
 from glmjax.train.checkpoint import CheckpointError, Checkpoints
 from glmjax.workdir import MANIFEST, load_model_state, unsealed_marker
+from test_reliability import flip
 
 
 def state(step: int, nan: bool = False) -> tuple[dict, dict]:
@@ -38,14 +39,6 @@ def restore(workdir):
         finally:
             ck.close()
     return got, [str(w.message) for w in caught]
-
-
-def flip(path, n=64):
-    with open(path, "r+b") as f:
-        f.seek(os.path.getsize(path) // 2)
-        data = f.read(n)
-        f.seek(os.path.getsize(path) // 2)
-        f.write(bytes(b ^ 0xFF for b in data))
 
 
 def test_a_step_killed_before_its_seal_is_never_trusted(tmp_path):
