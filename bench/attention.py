@@ -3,7 +3,7 @@
 
 Variants (all the same `glmjax.model.mla.MLA`, float32, batch 1, k = index_topk = S // topk_div):
   dense   Ctx(mode="dense"): causal MLA with per-head K/V expanded from the latent, by the default cost rule
-          (`mla.materialise`): blocked (XLA flash, O(S) memory) at these sizes.
+          (`mla_paths.materialise`): blocked (XLA flash, O(S) memory) at these sizes.
   dense_mat  the same with the materialised [B,H,S,T] path forced (what every length ran before the blocked path).
   sparse  has_indexer=True, mode "sparse": the layer's lightning indexer picks k keys per query (top-k inside the
           timed function), attention gathers those k latent rows (MQA form).
@@ -44,12 +44,13 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-import glmjax.model.mla as mla_module  # noqa: E402
 from glmjax.config import ModelConfig  # noqa: E402
 from glmjax.model.backends import BACKENDS, Backend  # noqa: E402
 from glmjax.model.indexer import index_logits, index_topk, visible  # noqa: E402
 from glmjax.model.layers import rope_tables  # noqa: E402
-from glmjax.model.mla import MLA, Ctx, dense_mla  # noqa: E402
+from glmjax.model import mla_paths  # noqa: E402
+from glmjax.model.latent_attention import dense_mla  # noqa: E402
+from glmjax.model.mla import MLA, Ctx  # noqa: E402
 from glmjax.model.sparse_attention import sparse_mla_xla  # noqa: E402
 
 GLM5 = dict(hidden_size=6144, num_attention_heads=64, q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192,
@@ -251,14 +252,14 @@ def layer_case(seq_len: int, variant: str, block_q: int, args):
 
 
 def materialised(fn):
-    """fn traced with the materialised dense path forced (`mla.MATERIALISE_MAX_SCORES` = inf)."""
+    """fn traced with the materialised dense path forced (`mla_paths.LIMITS.materialise_scores` = inf)."""
     def wrapped(*a):
-        saved = mla_module.MATERIALISE_MAX_SCORES
-        mla_module.MATERIALISE_MAX_SCORES = float("inf")
+        saved = mla_paths.LIMITS
+        mla_paths.LIMITS = mla_paths.Limits(materialise_scores=float("inf"))
         try:
             return fn(*a)
         finally:
-            mla_module.MATERIALISE_MAX_SCORES = saved
+            mla_paths.LIMITS = saved
     return wrapped
 
 

@@ -11,11 +11,11 @@ trains, glmjax/train/stages.py):
   indexshare    a full layer and the shared layer after it (it reuses the full layer's top-k): sum(shared(full(x))
                 * ct) + the full layer's indexer KL toward the mean attention of both (E.4), w.r.t. everything;
                 two layers, so per layer is half of it
-"before" forces the materialised dense path (`mla.MATERIALISE_MAX_SCORES` = inf) and the sparse attention over the
-whole sequence at once (`mla.SPARSE_CHUNK_ROWS` = inf), "after" is the default cost rules (dense: blocks of
-`model.block_q`, on TPU JAX's splash kernel, `model.dense_attention_impl` "auto", head groups past
-`mla.HEAD_GROUP_ROWS`; sparse: rematerialised sequence chunks past `mla.SPARSE_CHUNK_ROWS`, `--sparse-chunk-rows`
-to try another size). Temp memory is XLA's
+"before" forces the materialised dense path (`mla_paths.Limits.materialise_scores` = inf) and the sparse attention
+over the whole sequence at once (`mla_paths.Limits.sparse_chunk_rows` = inf), "after" is the default cost rules
+(dense: blocks of `model.block_q`, on TPU JAX's splash kernel, `model.dense_attention_impl` "auto", head groups past
+`mla_paths.Limits.head_group_rows`; sparse: rematerialised sequence chunks past `Limits.sparse_chunk_rows`,
+`--sparse-chunk-rows` to try another size). Temp memory is XLA's
 `jax.jit(f).lower(...).compile().memory_analysis().temp_size_in_bytes`, for the default backend (CPU here) or,
 with --topology, one chip of a TPU topology (compiled ahead of time on this host with that chip as the abstract
 mesh, so the TPU choices are made; needs jax[tpu]).
@@ -26,6 +26,7 @@ mesh, so the TPU choices are made; needs jax[tpu]).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -40,6 +41,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import glmjax.model.mla as mla  # noqa: E402
+from glmjax.model import mla_paths  # noqa: E402
 from glmjax.config import ModelConfig  # noqa: E402
 from glmjax.model.layers import rope_tables  # noqa: E402
 from glmjax.model.transformer import unit_index_loss  # noqa: E402
@@ -82,10 +84,11 @@ def layer_loss(stage: str, seq_len: int, block: int):
 
 def temp_gib(stage: str, seq_len: int, block: int, before: bool, device=None, chunk_rows=None):
     """-> (temp GiB, compile seconds); device: compile for it (e.g. a TPU topology's chip) instead of the default;
-    chunk_rows: mla.SPARSE_CHUNK_ROWS for the "after" programs (None: the default)."""
-    saved = mla.MATERIALISE_MAX_SCORES, mla.SPARSE_CHUNK_ROWS
-    mla.MATERIALISE_MAX_SCORES = float("inf") if before else saved[0]
-    mla.SPARSE_CHUNK_ROWS = float("inf") if before else chunk_rows or saved[1]
+    chunk_rows: Limits.sparse_chunk_rows for the "after" programs (None: the default)."""
+    saved = mla_paths.LIMITS
+    inf = float("inf")
+    mla_paths.LIMITS = mla_paths.Limits(inf, saved.head_group_rows, inf) if before else \
+        dataclasses.replace(saved, sparse_chunk_rows=chunk_rows or saved.sparse_chunk_rows)
     try:
         t = time.perf_counter()
         f, args = layer_loss(stage, seq_len, block)
@@ -99,7 +102,7 @@ def temp_gib(stage: str, seq_len: int, block: int, before: bool, device=None, ch
                 compiled = jax.jit(f).lower(*args).compile()
         return compiled.memory_analysis().temp_size_in_bytes / GIB, time.perf_counter() - t
     finally:
-        mla.MATERIALISE_MAX_SCORES, mla.SPARSE_CHUNK_ROWS = saved
+        mla_paths.LIMITS = saved
 
 
 def main():
@@ -109,7 +112,7 @@ def main():
     p.add_argument("--block", type=int, default=512, help="model.block_q (query and key block)")
     p.add_argument("--topology", help="compile for the first chip of this TPU topology, e.g. v5p:2x2x1 (jax[tpu])")
     p.add_argument("--after-only", action="store_true", help="skip the materialised / unchunked (before) programs")
-    p.add_argument("--sparse-chunk-rows", type=int, help="mla.SPARSE_CHUNK_ROWS (S·H) for the after programs")
+    p.add_argument("--sparse-chunk-rows", type=int, help="Limits.sparse_chunk_rows (S·H) for the after programs")
     p.add_argument("--json")
     a = p.parse_args()
     device = None

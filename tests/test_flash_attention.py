@@ -2,7 +2,6 @@
 latent; values, max logit and gradients) and the absorbed cached form (MQA over the latent, kv_valid / q_idx
 visibility), with packed documents, a document starting inside the first key block, S not a multiple of the block;
 the block skip itself; and no [S,T]-shaped intermediate in the blocked model's dense_warmup / sparse losses."""
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +11,7 @@ from helpers import FAST, random_batch, tiny
 
 import glmjax.model.mla as mla
 from glmjax.config import ModelConfig
-from glmjax.model import GLM, dense_kernels
+from glmjax.model import GLM, dense_kernels, latent_attention, mla_paths, mla_variants
 from glmjax.model.flash_attention import block_needed, flash_attention
 from glmjax.model.indexer import visible
 from glmjax.model.layers import rope_tables
@@ -54,8 +53,8 @@ def test_blocked_mla_equals_the_materialised_reference_with_gradients(impl):
             return jnp.sum(out * ct), (out, max_logit, extra)
         return jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6)), has_aux=True))(*args)
 
-    (_, (out, max_logit, target)), grads = run(lambda *a: mla.dense_mla_blocked(*a, seg, 0.7, BLOCK, impl=impl))
-    (_, (ref, ref_max, _)), ref_grads = run(lambda *a: mla.dense_mla(*a, seg, 0.7))
+    (_, (out, max_logit, target)), grads = run(lambda *a: mla_variants.dense_blocked(*a, seg, 0.7, BLOCK, impl=impl))
+    (_, (ref, ref_max, _)), ref_grads = run(lambda *a: latent_attention.dense_mla(*a, seg, 0.7))
     np.testing.assert_allclose(out, ref, atol=1e-5)
     np.testing.assert_allclose(max_logit, ref_max, atol=1e-5)
     for name, g, rg in zip(("q_nope", "q_pe", "c_kv", "k_pe", "w_uk", "w_uv"), grads, ref_grads):
@@ -107,8 +106,9 @@ def test_blocked_absorbed_cached_attention_equals_the_materialised_reference():
 
         @jax.jit
         def both(q, kv):
-            blocked = lambda q, kv: mla.dense_mla_absorbed_blocked(q, kv, q_seg, kv_valid, q_idx, 0.4, R, BLOCK)  # noqa
-            ref = lambda q, kv: mla.dense_mla_absorbed(q, kv, visible(q_seg, kv_valid, q_idx), 0.4, R)  # noqa
+            blocked = lambda q, kv: mla_variants.dense_mla_absorbed_blocked(  # noqa: E731
+                q, kv, q_seg, kv_valid, q_idx, 0.4, R, BLOCK)
+            ref = lambda q, kv: mla_variants.dense_mla_absorbed(q, kv, visible(q_seg, kv_valid, q_idx), 0.4, R)  # noqa
             loss = lambda fn, *a: (jnp.sum(fn(*a) * ct), fn(*a))  # noqa: E731
             return [jax.value_and_grad(lambda *a: loss(fn, *a), (0, 1), has_aux=True)(q, kv) for fn in (blocked, ref)]
 
@@ -141,7 +141,7 @@ def test_block_skip_is_exact_at_block_granularity():
 def test_blocked_model_losses_build_no_query_by_key_array(mode, monkeypatch):
     """The dense_warmup (blocked dense attention + streamed KL) and sparse_adapt losses, forward and backward,
     traced (not compiled): no intermediate has two axes of length S (no [.., S, T] scores, probabilities or masks)."""
-    monkeypatch.setattr(mla, "MATERIALISE_MAX_SCORES", 0)
+    monkeypatch.setattr(mla_paths, "LIMITS", mla_paths.Limits(materialise_scores=0))
     S = 72  # no other dimension of the tiny model is 72
     cfg = tiny(num_hidden_layers=2, indexer_types=("full", "shared"), mtp_depth=0, num_nextn_predict_layers=0)
     graphdef, state = nnx.split(GLM(cfg, nnx.Rngs(0)))
@@ -225,7 +225,7 @@ def test_glm5_dense_layer_loss_compiles_for_v5p_with_the_splash_kernel():
     """One MLA layer at GLM-5's head dims (qk 192+64 / v 256, latent 512+64; H 16, D 512), bf16,
     pretrain loss forward + backward, compiled ahead of time for one v5p chip: the "auto" choice lowers to Mosaic
     kernels (splash forward, dq, dkv) with no [S,S] buffer."""
-    S = 2048  # B·H·S·T past `mla.materialise`
+    S = 2048  # B·H·S·T past `mla_paths.materialise`
     cfg = ModelConfig(hidden_size=512, num_attention_heads=16, q_lora_rank=256, kv_lora_rank=512, qk_nope_head_dim=192,
                       qk_rope_head_dim=64, v_head_dim=256, index_n_heads=4, index_head_dim=32, index_topk=64,
                       num_hidden_layers=1, first_k_dense_replace=1, block_q=512, dtype="bfloat16",
@@ -270,11 +270,10 @@ def test_head_grouped_layer_equals_the_materialised_layer(monkeypatch, q_lora_ra
             return jnp.sum(out * ct) + kl / n, (out, stats.max_logit, kl)
         return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x)
 
-    monkeypatch.setattr(mla, "MATERIALISE_MAX_SCORES", float("inf"))
+    monkeypatch.setattr(mla_paths, "LIMITS", mla_paths.Limits(materialise_scores=float("inf")))
     (_, ref), ref_grads = jax.jit(lambda *a: run(*a), compiler_options=FAST)(params, x)  # new fn: a new trace
-    monkeypatch.setattr(mla, "MATERIALISE_MAX_SCORES", 0)
-    monkeypatch.setattr(mla, "HEAD_GROUP_ROWS", 2 * S)
-    assert mla.head_groups(S, 4) == 2
+    monkeypatch.setattr(mla_paths, "LIMITS", mla_paths.Limits(materialise_scores=0, head_group_rows=2 * S))
+    assert mla_paths.head_groups(S, 4) == 2
     (_, got), grads = jax.jit(lambda *a: run(*a), compiler_options=FAST)(params, x)
     for name, a, b in zip(("out", "max_logit", "kl"), got, ref):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5, err_msg=name)

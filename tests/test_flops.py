@@ -14,7 +14,8 @@ from glmjax import flops as F
 from glmjax.model import GLM, Batch
 from glmjax.model.indexer import index_logits
 from glmjax.model.layers import apply_rope, dense, rope_tables
-from glmjax.model.mla import MLA, Ctx, dense_mla
+from glmjax.model.latent_attention import dense_mla
+from glmjax.model.mla import MLA, Ctx
 from glmjax.model.moe import MLP, MoE
 from glmjax.model import sparse_attention
 from glmjax.model.sparse_attention import sparse_mla_xla

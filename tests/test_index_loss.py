@@ -8,8 +8,7 @@ import numpy as np
 from flax import nnx
 from helpers import random_batch, tiny
 
-import glmjax.model.mla as mla
-from glmjax.model import GLM
+from glmjax.model import GLM, latent_attention, mla_paths, mla_variants
 from glmjax.model.index_loss import streaming_attention_topk, streaming_index_kl
 from glmjax.model.indexer import (Indexer, gathered_index_logits, index_kl, index_scores, index_topk, masked_topk,
                                   visible)
@@ -56,7 +55,8 @@ def test_streamed_dense_kl_equals_the_materialised_kl_with_indexer_gradients():
     @jax.jit
     def both(params):
         qkw = lambda p: nnx.merge(graphdef, p)(*inputs)  # noqa: E731
-        target, p = mla.dense_mla_blocked(*args, seg, 0.5, BLOCK)[2], mla.dense_mla(*args, seg, 0.5)[2]
+        target = mla_variants.dense_blocked(*args, seg, 0.5, BLOCK)[2]
+        p = latent_attention.dense_mla(*args, seg, 0.5)[2]
         stream = lambda prm: streaming_index_kl([target], *qkw(prm), seg, ok)  # noqa: E731
         ref = lambda prm: index_kl(p, index_scores(*qkw(prm), seg, seg), ok)  # noqa: E731
         return [jax.value_and_grad(fn, has_aux=True)(params) for fn in (stream, ref)]
@@ -107,7 +107,8 @@ def test_streamed_attention_topk_equals_the_materialised_topk_with_ties_across_b
 
     @jax.jit
     def both(args):
-        target, p = mla.dense_mla_blocked(*args, seg, 0.5, BLOCK)[2], mla.dense_mla(*args, seg, 0.5)[2]
+        target = mla_variants.dense_blocked(*args, seg, 0.5, BLOCK)[2]
+        p = latent_attention.dense_mla(*args, seg, 0.5)[2]
         p = jnp.where(visible(seg, seg, jnp.arange(S)), p, -jnp.inf)
         # k > S: min(k, T) slots, -1 past the visible keys
         return [(streaming_attention_topk(target, seg, k), masked_topk(p, k)) for k in (4, 40)]
@@ -135,7 +136,7 @@ def test_model_index_loss_and_topk_stats_blocked_equal_materialised(monkeypatch)
         return m["index_kl_per_layer"], g, model(batch, "dense", topk_stats=True)[1].attn_topk
 
     ref = jax.jit(lambda p: run(p))(params)  # a new function each time: jit's trace cache keys on the function
-    monkeypatch.setattr(mla, "MATERIALISE_MAX_SCORES", 0)
+    monkeypatch.setattr(mla_paths, "LIMITS", mla_paths.Limits(materialise_scores=0))
     got = jax.jit(lambda p: run(p))(params)
     np.testing.assert_allclose(got[0], ref[0], rtol=1e-5)
     assert float(ref[0][0]) > 1e-3

@@ -7,6 +7,7 @@ from flax import nnx
 from helpers import FAST, tiny
 
 import glmjax.model.mla as mla
+from glmjax.model import mla_paths
 from glmjax.model.layers import rope_tables
 from glmjax.model.transformer import unit_index_loss
 
@@ -43,10 +44,10 @@ def test_chunked_sparse_layers_equal_the_unchunked_layers(monkeypatch, q_lora_ra
             return jnp.sum(h * ct) + kl / n, (h, kl, topk)
         return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x)
 
-    assert mla.sparse_chunk(S, 4) is None
+    assert mla_paths.sparse_chunk(S, 4) is None
     (_, ref), ref_grads = jax.jit(lambda *a: run(*a), compiler_options=FAST)(params, x)  # new fn: a new trace
-    monkeypatch.setattr(mla, "SPARSE_CHUNK_ROWS", 4 * CHUNK)
-    assert mla.sparse_chunk(S, 4) == CHUNK  # 37 is prime: whole chunks of 8 and a remainder
+    monkeypatch.setattr(mla_paths, "LIMITS", mla_paths.Limits(sparse_chunk_rows=4 * CHUNK))
+    assert mla_paths.sparse_chunk(S, 4) == CHUNK  # 37 is prime: whole chunks of 8 and a remainder
     (_, got), grads = jax.jit(lambda *a: run(*a), compiler_options=FAST)(params, x)
     topk = np.asarray(ref[2])
     assert (topk == -1).any() and (topk[1, 12:30] >= 0).all()  # -1 slots and full rows (row 1, document 2)
@@ -67,7 +68,7 @@ def test_chunked_sparse_layers_equal_the_unchunked_layers(monkeypatch, q_lora_ra
 def test_sparse_chunk_takes_a_divisor_of_the_sequence_where_one_is_close():
     """Whole chunks where S has a divisor in [c/2, c] (no remainder call, whose concatenation copies the output);
     else chunks of c and a remainder."""
-    assert mla.sparse_chunk(4096, 64) is None  # S x H <= SPARSE_CHUNK_ROWS: the whole sequence at once
-    assert mla.sparse_chunk(131_072, 64) == 4096
-    assert mla.sparse_chunk(202_752, 64) == 3168  # GLM-5's length: 64 chunks of 3168 instead of 49 x 4096 + 2048
-    assert mla.sparse_chunk(4099, 64) == 4096  # 4099 is prime: 4096 and a remainder of 3
+    assert mla_paths.sparse_chunk(4096, 64) is None  # S x H <= Limits.sparse_chunk_rows: the whole sequence at once
+    assert mla_paths.sparse_chunk(131_072, 64) == 4096
+    assert mla_paths.sparse_chunk(202_752, 64) == 3168  # GLM-5's length: 64 chunks of 3168 instead of 49 x 4096 + 2048
+    assert mla_paths.sparse_chunk(4099, 64) == 4096  # 4099 is prime: 4096 and a remainder of 3

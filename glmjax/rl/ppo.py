@@ -40,7 +40,7 @@ from glmjax.config import ConfigError
 from glmjax.data.chat import ChatTemplate
 from glmjax.data.tokenizer import make_tokenizer
 from glmjax.infer import Decoder
-from glmjax.model import GLM
+from glmjax.model import GLM, mla_paths
 from glmjax.optim import build_optimizer, make_schedule, validate_optim_config
 from glmjax.resolve import write_import
 from glmjax.rl.advantages import episode_gae, episode_grpo, episode_rows, explained_variance, masked_whiten
@@ -378,6 +378,8 @@ class PPORun:
         print(f"ppo: {p.task} ({p.env}), {self.B} rollouts/step ({p.prompts_per_step} prompts x {p.group_size}), "
               f"{p.steps} steps, {p.advantage} + {p.policy_loss}, {'async' if p.async_rollout else 'sync'} rollouts")
         print(self.learner.table)
+        rows = self.B * (p.max_sub_trajectories if p.context_budget else 1) // p.minibatches
+        print("\n".join(mla_paths.describe(self.cfg, p.mode, max(1, rows), self.L)))  # a learner minibatch's
         # rollouts: the sampler runs on a device of its own when the trainer leaves one free
         devices = jax.devices()
         self.rollout_device = devices[p.data_parallel] if len(devices) > p.data_parallel else devices[0]

@@ -35,6 +35,7 @@ from glmjax.data import default_data_config, make_pipeline, validate_data_config
 from glmjax.data.read_ahead import Interrupted
 from glmjax.flops import flops_per_token
 from glmjax.hardware import chip_of_device
+from glmjax.model import mla_paths
 from glmjax.model.transformer import GLM, Batch
 from glmjax.optim import validate_optim_config
 from glmjax.parallel import (abstract, batch_sharding, global_batch, init_opt_state, make_mesh, num_batch_shards,
@@ -266,6 +267,7 @@ def setup(config, workdir: str, cfg: ModelConfig, data_cfg, stage: Stage) -> Sta
     mode = stage.mode or t.mode
     print(f"stage {config.stage}: attention {mode}, trains {stage.trainable} ({n_train:,} of {n_all:,} params); "
           f"{t.batch_size}x{t.seq_len} tokens/step, {t.steps} steps")
+    print("\n".join(mla_paths.describe(cfg, mode, t.batch_size, t.seq_len, mesh)))
     tx, groups = make_optimizer(params, config.optim, t.steps, cfg)
     print(groups)
     opt_state = abstract(jax.eval_shape(tx.init, params), opt_state_shardings(tx, params, mesh))
