@@ -72,9 +72,10 @@ class ModelConfig:
     moe_dispatch: str = "auto"  # expert parallelism: "auto" (ragged on TPU) | "all_to_all" | "ragged_all_to_all"
     moe_capacity_factor: float = 0.0  # expert parallelism: 0 = dropless; f > 0 = f x the mean rows per expert shard
     attention_impl: str = "xla"  # "xla": top-k + gathered attention in XLA; "pallas": pallas_kernels/ (interpret off TPU)
-    dense_attention_impl: str = "auto"  # dense causal training attention: "auto" (splash kernel on TPU, XLA flash
-    # elsewhere) | "xla" | "splash" (also off TPU, interpreted; always blocked); context shards (explicit key slots)
-    # always run the XLA flash; see glmjax/model/dense_kernels.py
+    dense_attention_impl: str = "auto"  # dense causal training attention: "auto" (splash kernel on TPU, Pallas GPU
+    # flash on NVIDIA GPUs, XLA flash elsewhere) | "xla" | "splash" | "pallas_gpu" (a kernel named: also off its
+    # platform, interpreted; always blocked); context shards (explicit key slots) always run the XLA flash; see
+    # glmjax/model/dense_kernels.py
     block_q: int = 256  # query block of the indexer top-k and the sparse attention (bounds [bq, T] / [bq, k] temps)
     loss_chunk: int = 512  # sequence chunk of the LM-head loss (never [B, S, V] at once)
     # context parallelism (a mesh `context` axis > 1): "zigzag" (shard i holds chunks i and 2N-1-i of 2N: equal causal
@@ -217,8 +218,8 @@ class ModelConfig:
             fail("attention_impl", f"must be one of {sorted(ATTENTION_IMPLS)}")
         if self.context_layout not in ("zigzag", "contiguous"):
             fail("context_layout", "must be 'zigzag' or 'contiguous'")
-        if self.dense_attention_impl not in ("auto", "xla", "splash"):
-            fail("dense_attention_impl", "must be one of auto, xla, splash")
+        if self.dense_attention_impl not in ("auto", "xla", "splash", "pallas_gpu"):
+            fail("dense_attention_impl", "must be one of auto, xla, splash, pallas_gpu")
         if self.moe_impl not in ("auto", "ragged_dot", "blocked"):
             fail("moe_impl", "must be one of auto, ragged_dot, blocked")
         if self.moe_dispatch not in ("auto", "all_to_all", "ragged_all_to_all"):

@@ -16,7 +16,7 @@ from flax import nnx
 import pallas_kernels
 from glmjax import parallel as par
 from glmjax.infer import Decoder, forward_cached, generate
-from glmjax.model import GLM, mla
+from glmjax.model import GLM, mla_paths
 from helpers import FAST, tiny
 
 MESHES = {"context4_expert2": dict(data=1, expert=2, context=4),
@@ -108,9 +108,9 @@ def collective_shapes(hlo: str):
 def test_decoder_on_mesh_equals_one_device(name, mode, model, seqs, reference, monkeypatch):
     """Dense mode with attention over a cache always blocked where it may be (one device: materialised): prefill's
     local queries by flash attention over the gathered cache rows; decode materialised over the context-split cache
-    (glmjax/model/mla.py absorbed_attention)."""
+    (glmjax/model/mla_variants.py absorbed_attention)."""
     if mode == "dense":
-        monkeypatch.setattr(mla, "MATERIALISE_MAX_SCORES", 0)
+        monkeypatch.setattr(mla_paths, "LIMITS", mla_paths.Limits(materialise_scores=0))
     mesh = par.make_mesh(MESHES[name])
     n = mesh.shape["context"]
     dec = Decoder(model, mode, mesh=mesh, compiler_options=FAST)

@@ -39,9 +39,10 @@ def packed_segments():
     return np.array([[1] * 3 + [2] * 20 + [3] * 14, [1] * 5 + [2] * 25 + [0] * 7], np.int32)
 
 
-@pytest.mark.parametrize("impl", ["xla", "splash"])
+@pytest.mark.parametrize("impl", ["xla", "splash", "pallas_gpu"])
 def test_blocked_mla_equals_the_materialised_reference_with_gradients(impl):
-    """The XLA flash and JAX's Pallas TPU splash kernel (interpreted on CPU; S padded to its 128 block)."""
+    """The XLA flash, JAX's Pallas TPU splash kernel (interpreted on CPU; S padded to its 128 block) and its Pallas GPU
+    flash kernel (interpreted; head dims 12 / 5 zero-padded to one width, S to its block)."""
     B, S, H, d_n, d_r, r, d_v = 2, 37, 3, 8, 4, 6, 5  # S = 37: not a multiple of the block 8
     args = (rand(0, (B, S, H, d_n)), rand(1, (B, S, H, d_r)), rand(2, (B, S, r)), rand(3, (B, S, d_r)),
             rand(4, (r, H, d_n)), rand(5, (r, H, d_v)))
@@ -67,8 +68,9 @@ def test_blocked_mla_equals_the_materialised_reference_with_gradients(impl):
     np.testing.assert_allclose(target.lse, (m + np.log(np.exp(s - m).sum(-1, keepdims=True)))[..., 0], atol=1e-5)
 
 
-def test_splash_on_a_mesh_splitting_batch_sequence_and_heads_equals_one_device():
-    """The splash kernel inside its shard_map on 8 CPU devices (data 2 x context 2 x tensor 2; interpreted): rows
+@pytest.mark.parametrize("impl", ["splash", "pallas_gpu"])
+def test_kernel_on_a_mesh_splitting_batch_sequence_and_heads_equals_one_device(impl):
+    """Each kernel inside its shard_map on 8 CPU devices (data 2 x context 2 x tensor 2; interpreted): rows
     and heads split, each sequence whole on its shard even where the inputs arrive split over context (a kernel run
     on one context shard's half would miss the earlier half's keys); out, lse and gradients == one device."""
     B, S, H, d, e = 2, 256, 2, 8, 4
@@ -77,7 +79,7 @@ def test_splash_on_a_mesh_splitting_batch_sequence_and_heads_equals_one_device()
 
     def run(q, k, v):
         def loss(q, k, v):
-            out, lse, _ = flash_attention(q, k, v, seg, seg, None, 0.3, 128, 128, "splash")
+            out, lse, _ = flash_attention(q, k, v, seg, seg, None, 0.3, 128, 128, impl)
             return jnp.sum(out * ct), (out, lse)
         return jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
 
@@ -194,10 +196,11 @@ def sub_jaxprs(eqn):
                 yield x
 
 
-def test_dense_attention_choice_follows_platform_override_and_fit():
+def test_dense_attention_choice_follows_platform_override_and_fit(monkeypatch):
     """"auto" picks the splash kernel only when traced for TPU (the abstract mesh's devices: AOT from this CPU host),
-    "splash" forces it anywhere (interpreted off TPU), and either falls back to the XLA flash where splash cannot
-    honour the visibility: explicit query slots (context-parallel shards, caches) or keys shared by the heads."""
+    the Pallas GPU kernel on a GPU; "splash" / "pallas_gpu" force them anywhere (interpreted elsewhere), and each
+    falls back to the XLA flash where the kernels cannot honour the visibility: explicit query slots
+    (context-parallel shards, caches) or keys shared by the heads."""
     q, k_mqa = jnp.zeros((1, 16, 2, 8)), jnp.zeros((1, 16, 8))
     idx = jnp.zeros((1, 16), jnp.int32)
     assert dense_kernels.choose("auto", q, q, None) == "xla"  # CPU
@@ -210,6 +213,12 @@ def test_dense_attention_choice_follows_platform_override_and_fit():
         assert dense_kernels.choose("xla", q, q, None) == "xla"
     with pytest.raises(ValueError, match="'cudnn'"):
         dense_kernels.choose("cudnn", q, q, None)
+    assert dense_kernels.choose("pallas_gpu", q, q, None) == "pallas_gpu"
+    assert dense_kernels.choose("pallas_gpu", q, q, idx) == "xla"
+    monkeypatch.setattr(dense_kernels, "platform", lambda: "gpu")
+    assert dense_kernels.choose("auto", q, q, None) == "pallas_gpu"
+    assert dense_kernels.choose("auto", q, k_mqa, None) == "xla"
+    monkeypatch.undo()
     seg = jnp.ones((1, 16), jnp.int32)
     jaxpr = lambda impl: str(jax.make_jaxpr(  # noqa: E731
         lambda q: flash_attention(q, q, q, seg, seg, None, 1.0, 8, 8, impl))(q))

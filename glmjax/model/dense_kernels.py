@@ -1,29 +1,32 @@
-"""The dense causal self-attention kernel behind `flash_attention.flash_attention`, and the choice of implementation.
+"""The dense causal self-attention kernels behind `flash_attention.flash_attention`, and the choice of implementation.
 
     "splash": JAX's Pallas TPU splash attention (`jax.experimental.pallas.ops.tpu.splash_attention`): a causal mask
               with per-row segment ids, forward and backward kernels (separate dq and dkv kernels), blocks with no
               visible key skipped from the mask's block map. Different qk / v head dims are fine (GLM-5 256 / 256,
               DeepSeek 192 / 128). Its causal mask is static -- query s sees key slots t <= s -- so it serves
               self-attention over the sequence itself (`q_idx` None, S == T) with keys per head ([B,T,H,d]).
+    "pallas_gpu": JAX's Pallas GPU (Triton) flash attention (`jax.experimental.pallas.ops.gpu.attention`): causal,
+              per-row segment ids, forward and fused dq / dkv backward kernels, its log-sum-exp returned (base 2,
+              converted here). It wants one head dim for q, k and v: the narrower are zero-padded (no change to the
+              scores; the padded output columns are dropped). Same reach as splash: self-attention, keys per head.
     "xla":    the blocked online-softmax attention of flash_attention.py (any q_idx, MQA keys, any platform).
 
-`choose` picks: "auto" -> splash on TPU where it applies, else XLA; "splash" -> splash where it applies, on any
-platform (interpreted off TPU: how the tests run it on CPU), else XLA; "xla" -> XLA. Where splash does not apply --
-queries at explicit key slots (context-parallel shards, cached prefill / decode), keys shared by the heads (the
-absorbed MQA form, qk 576 / v 512 with q_idx) -- the XLA flash is used. The platform is the one the code is traced
-for: the abstract mesh's devices (so an AOT compile for a TPU topology from a CPU host picks the kernel), else the
-default backend.
+`choose` picks: "auto" -> splash on TPU, pallas_gpu on an NVIDIA GPU, where they apply, else XLA; "splash" /
+"pallas_gpu" -> that kernel where it applies, on any platform (interpreted elsewhere: how the tests run them on CPU),
+else XLA; "xla" -> XLA. Where the kernels do not apply -- queries at explicit key slots (context-parallel shards,
+cached prefill / decode), keys shared by the heads (the absorbed MQA form, qk 576 / v 512 with q_idx) -- the XLA
+flash is used. The platform is the one the code is traced for: the abstract mesh's devices (so an AOT compile for a
+TPU topology from a CPU host picks the kernel), else the default backend.
 
-GPU: `jax.nn.dot_product_attention(implementation="cudnn")` takes a causal flag and per-row lengths but no packed
-segment ids (its mask argument would be a [B,H,S,T] array), and training batches are packed; the XLA flash runs
-there.
+GPU, not chosen: `jax.nn.dot_product_attention(implementation="cudnn")` takes a causal flag and per-row lengths but
+no packed segment ids (its mask argument would be a [B,H,S,T] array), and training batches are packed.
 
-Splash has no softmax scale (queries are scaled before the kernel) and returns no row max: `flash_attention`
-computes it (the max_attn_logit metric of every dense training step) in a forward-only blocked XLA pass of QK^T, an
-extra score computation per step on top of the kernel's. Its backward is called through `splash_attention_kernel`'s own
-backward function so the forward can return the log-sum-exp the streamed indexer losses need (the public kernel
-with `save_residuals=True` is not differentiable). Its mask preprocessing runs on the host at trace time,
-O((S / block)^2): ~1 s at S = 16K, ~13 s at 64K, ~150 s at 202,752 on a CPU host core (cached per shape).
+The kernels return no row max: `flash_attention` computes it (the max_attn_logit metric of every dense training
+step) in a forward-only blocked XLA pass of QK^T, an extra score computation per step on top of the kernel's. Splash
+has no softmax scale (queries are scaled before the kernel). The kernels' backwards are called through their own
+backward functions so the forward can return the log-sum-exp the streamed indexer losses need (the public kernels
+with residuals are not differentiable). Splash's mask preprocessing runs on the host at trace time,
+O((S / block)^2), cached per shape (its cost: docs/benchmarks.md, measurements behind the model code's choices).
 """
 from __future__ import annotations
 
@@ -31,12 +34,14 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas.ops.gpu import attention as gpu_flash
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash_kernel
 
 from glmjax.model import context
 
-DENSE_IMPLS = ("auto", "xla", "splash")
+DENSE_IMPLS = ("auto", "xla", "splash", "pallas_gpu")
+KERNELS = {"tpu": "splash", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}  # "auto"'s kernel per platform
 LANES = 128  # splash blocks are multiples of this
 
 
@@ -47,8 +52,8 @@ def platform() -> str:
     return dev.platform if dev is not None else jax.default_backend()
 
 
-def splash_misfit(q, k, q_idx) -> str | None:
-    """Why splash cannot compute this attention (None: it can)."""
+def kernel_misfit(q, k, q_idx) -> str | None:
+    """Why the kernels (causal self-attention, keys per head) cannot compute this attention (None: they can)."""
     if q_idx is not None:
         return "queries at explicit key slots (q_idx)"
     if k.ndim != 4:
@@ -59,13 +64,25 @@ def splash_misfit(q, k, q_idx) -> str | None:
 
 
 def choose(impl: str, q, k, q_idx) -> str:
-    """-> "splash" | "xla" for `impl` (one of DENSE_IMPLS) on the traced-for platform."""
+    """-> "splash" | "pallas_gpu" | "xla" for `impl` (one of DENSE_IMPLS) on the traced-for platform."""
     if impl not in DENSE_IMPLS:
         raise ValueError(f"dense attention impl {impl!r}: must be one of {DENSE_IMPLS}")
-    fits = splash_misfit(q, k, q_idx) is None
-    if impl == "splash" or (impl == "auto" and platform() == "tpu"):
-        return "splash" if fits else "xla"
-    return "xla"
+    if impl == "auto":
+        impl = KERNELS.get(platform(), "xla")
+    return impl if impl != "xla" and kernel_misfit(q, k, q_idx) is None else "xla"
+
+
+def kernel_attention(kind: str, q, k, v, q_seg, k_seg, scale: float, block: int):
+    """Causal self-attention by the kernel `kind` ("splash" | "pallas_gpu"): q [B,S,H,d], k [B,S,H,d], v [B,S,H,e],
+    q_seg / k_seg [B,S] (visible: t <= s and equal segment ids) -> (out [B,S,H,e] in v's dtype, lse [B,S,H] f32).
+    Differentiable in q, k, v; interpreted off its platform. On a mesh of several devices the kernel runs inside
+    `jax.shard_map` (Pallas kernels cannot be partitioned by XLA)."""
+    local = {"splash": _splash_local, "pallas_gpu": _gpu_local}[kind]
+    interpret = KERNELS.get(platform()) != kind
+    if not context.needs_shard_map(jax.sharding.get_abstract_mesh()):
+        return local(q, k, v, q_seg, k_seg, scale, block, interpret)
+    one = context.Layout("contiguous", 1)  # nothing gathered: each shard holds whole sequences
+    return context.local_queries(one, local, *_KERNEL_AXES)(q, k, v, q_seg, k_seg, scale, block, interpret)
 
 
 def splash_block(block: int, S: int) -> int:
@@ -78,21 +95,12 @@ def splash_block(block: int, S: int) -> int:
 # the kernel sees; a sequence split over context is gathered -- the model itself never sends one here: its context
 # shards pass explicit key slots, which run the XLA flash)
 _BSH, _BS = ("batch", None, "heads"), ("batch", None)
-_SPLASH_AXES = ((_BSH, _BSH, _BSH, _BS, _BS, None, None, None), (_BSH, _BSH))
-
-
-def splash_attention(q, k, v, q_seg, k_seg, scale: float, block: int, interpret: bool):
-    """Causal self-attention by the splash kernel: q [B,S,H,d], k [B,S,H,d], v [B,S,H,e], q_seg / k_seg [B,S]
-    (visible: t <= s and equal segment ids) -> (out [B,S,H,e] in v's dtype, lse [B,S,H] f32). S is padded to a
-    multiple of the block (padded keys are causally after every real query). Differentiable in q, k, v. On a mesh
-    of several devices the kernel runs inside `jax.shard_map` (Mosaic kernels cannot be partitioned by XLA)."""
-    if not context.needs_shard_map(jax.sharding.get_abstract_mesh()):
-        return _splash_local(q, k, v, q_seg, k_seg, scale, block, interpret)
-    one = context.Layout("contiguous", 1)  # nothing gathered: each shard holds whole sequences
-    return context.local_queries(one, _splash_local, *_SPLASH_AXES)(q, k, v, q_seg, k_seg, scale, block, interpret)
+_KERNEL_AXES = ((_BSH, _BSH, _BSH, _BS, _BS, None, None, None), (_BSH, _BSH))
 
 
 def _splash_local(q, k, v, q_seg, k_seg, scale: float, block: int, interpret: bool):
+    """`kernel_attention` by splash on this device's rows: S padded to a multiple of the block (padded keys are
+    causally after every real query)."""
     B, S, H = q.shape[:3]
     b = splash_block(block, S)
     pad = -S % b
@@ -132,6 +140,53 @@ def _splash_fn(H: int, S: int, b: int, interpret: bool):
             (q, k, v, seg, None, out, lse, kernel.dq_mask_info, kernel.dkv_mask_info), cts[0])
         dq, dk, dv = grads[3:6]
         return dq, dk, dv, None, None
+
+    f = jax.custom_vjp(lambda *a: fwd(*a)[0])
+    f.defvjp(fwd, bwd)
+    return f
+
+
+GPU_BACKWARD_BLOCK = 32  # the Pallas GPU kernel's dq / dkv blocks (its defaults)
+
+
+def gpu_block(d: int, S: int) -> int:
+    """The Pallas GPU kernel's forward query / key block for head dim d: 128 up to d = 128, 64 beyond (its q, k and
+    v tiles live in on-chip memory), no larger than S rounded up to the backward block (which must divide it)."""
+    up = -(-S // GPU_BACKWARD_BLOCK) * GPU_BACKWARD_BLOCK
+    return min(128 if d <= 128 else 64, up)
+
+
+def _gpu_local(q, k, v, q_seg, k_seg, scale: float, block: int, interpret: bool):
+    """`kernel_attention` by the Pallas GPU flash kernel on this device's rows. Head dims zero-padded to one width,
+    S padded to a multiple of the block with segment id -1 (padded queries see only padded keys, which come causally
+    after every real query). k_seg is q_seg here (self-attention: `kernel_misfit`)."""
+    del k_seg, block  # one segment-id array for queries and keys; the kernel's blocks follow the head dim
+    B, S, H, e = v.shape
+    d = max(q.shape[-1], e)
+    b = gpu_block(d, S)
+    pad = -S % b
+    fit = lambda a: jnp.pad(a, [(0, 0), (0, pad), (0, 0), (0, d - a.shape[-1])])  # noqa: E731
+    seg = jnp.pad(q_seg.astype(jnp.int32), [(0, 0), (0, pad)], constant_values=-1)
+    out, lse2 = _gpu_fn(float(scale), b, interpret)(fit(q), fit(k), fit(v), seg)
+    lse = jnp.swapaxes(lse2, 1, 2)[:, :S] * jnp.log(2.0)  # base 2 -> natural
+    return out[:, :S, :, :e].astype(v.dtype), lse.astype(jnp.float32)
+
+
+@functools.lru_cache(maxsize=16)
+def _gpu_fn(scale: float, b: int, interpret: bool):
+    """(q, k, v [B,S,H,d], seg [B,S]) -> (out [B,S,H,d], lse [B,H,S] base 2); custom VJP = the kernel's backward."""
+    bb = GPU_BACKWARD_BLOCK
+    sizes = gpu_flash.BlockSizes(block_q=b, block_k=b, block_q_dkv=bb, block_kv_dkv=bb, block_q_dq=bb, block_kv_dq=bb)
+    kw = dict(sm_scale=scale, causal=True, block_sizes=sizes, interpret=interpret)
+
+    def fwd(q, k, v, seg):
+        out, lse = gpu_flash.mha(q, k, v, seg, return_residuals=True, **kw)
+        return (out, lse), (q, k, v, seg, out, lse)
+
+    def bwd(res, cts):
+        dq, dk, dv, _ = gpu_flash._mha_backward(scale, True, sizes, "triton", None, 2, None, interpret, False, False,
+                                                res, cts[0])
+        return dq, dk, dv, None
 
     f = jax.custom_vjp(lambda *a: fwd(*a)[0])
     f.defvjp(fwd, bwd)

@@ -13,8 +13,9 @@ cache: k_seg = kv_valid). Keys may be per head ([B,T,H,d], the MLA training form
 ([B,T,d], the absorbed MQA form over the latent).
 
 `flash_attention` is the one entry point: it runs this XLA implementation or, where it applies, a kernel
-(`dense_kernels.choose`: JAX's Pallas TPU splash attention for causal self-attention on TPU); every
-implementation computes the same visibility, and where a kernel cannot (explicit q_idx, MQA keys) this one runs.
+(`dense_kernels.choose`: JAX's Pallas splash attention on TPU, its Pallas GPU flash attention on NVIDIA GPUs, for
+causal self-attention); every implementation computes the same visibility, and where a kernel cannot (explicit
+q_idx, MQA keys) this one runs.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def flash_attention(q, k, v, q_seg, k_seg, q_idx, scale: float, block_q: int, bl
     q_idx [B,S] key slot of each query (every q_idx < T), or None: query s at key slot s (self-attention, S == T)
     -> (out [B,S,H,e] in v's dtype, lse [B,S,H] f32, row max logit [B,S,H] f32). lse and the row max are -inf for a
     query with no visible key (its output is 0) and carry no gradient; out is differentiable in q, k, v.
-    impl: `dense_kernels.DENSE_IMPLS` ("auto": the splash kernel on TPU where it applies, else this XLA flash)."""
+    impl: `dense_kernels.DENSE_IMPLS` ("auto": a kernel on TPU / GPU where it applies, else this XLA flash)."""
     if k.ndim != v.ndim or k.shape[:2] != v.shape[:2]:
         raise ValueError(f"flash_attention: k {k.shape} and v {v.shape} must both be [B,T,H,.] or [B,T,.]")
     S, T = q.shape[1], k.shape[1]
@@ -41,9 +42,9 @@ def flash_attention(q, k, v, q_seg, k_seg, q_idx, scale: float, block_q: int, bl
         raise ValueError(f"flash_attention: q_idx None means self-attention, but S {S} != T {T}")
     bq, bk = min(block_q, S), min(block_k, T)
     q_seg, k_seg = q_seg.astype(jnp.int32), k_seg.astype(jnp.int32)
-    if dense_kernels.choose(impl, q, k, q_idx) == "splash":
-        interpret = dense_kernels.platform() != "tpu"
-        out, lse = dense_kernels.splash_attention(q, k, v, q_seg, k_seg, scale, block_q, interpret)
+    kind = dense_kernels.choose(impl, q, k, q_idx)
+    if kind != "xla":
+        out, lse = dense_kernels.kernel_attention(kind, q, k, v, q_seg, k_seg, scale, block_q)
         idx = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), q_seg.shape)
         row_max = _row_max(*map(jax.lax.stop_gradient, (q, k)), q_seg, k_seg, idx, float(scale), bq, bk)
         return out, jax.lax.stop_gradient(lse), row_max

@@ -1,11 +1,12 @@
 """MLA's attention as its formulas (docs/model.md B.4, B.7, D.2): the plain dense path and the plain sparse path.
 
-    dense_mla   causal MLA with per-head keys / values expanded from the latent (B.4 steps 7-10)
+    dense_mla   causal MLA with per-head keys / values expanded from the latent (B.4 steps 7-11, before o_proj)
     sparse_mla  each query over the k latent rows its top-k selects, in the absorbed MQA form (B.7, D.2)
 
 Both build their whole score tensor ([B,H,S,T] dense, [B,S,H,k] sparse). They are what the layer computes; the
 blocked, head-grouped, chunked, context-parallel and kernel variants that run at other sizes (mla_variants.py,
-chosen by mla_paths.py) compute the same numbers within float tolerance (tests/test_mla_paths.py).
+chosen by mla_paths.py) compute the same numbers within float tolerance (tests/test_mla_paths.py). Also here: the
+layer's intermediate and reported types (`Projected`, `AttnStats`).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from glmjax.model.index_loss import DenseTarget
 from glmjax.model.indexer import visible
 from glmjax.model.layers import f32
 
@@ -48,14 +50,15 @@ def absorb(q_nope, q_pe, w_uk):
 
 
 def dense_mla(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, segment_ids, scale: float):
-    """Causal MLA over one packed sequence (B.4 steps 7-10; the output projection, step 11, is the caller's).
+    """Causal MLA over one packed sequence (B.4 steps 7-11; the output projection o_proj is the caller's).
 
     q_nope [B,S,H,d_n], q_pe [B,S,H,d_r] (roped), c_kv [B,S,r_kv] (normed), k_pe [B,S,d_r] (roped), w_uk
     [r_kv,H,d_n], w_uv [r_kv,H,d_v], segment_ids [B,S] (0 = padding) -> out [B,S,H,d_v], the largest logit (a
     scalar, no gradient) and the head-mean probabilities [B,S,S] f32 (no gradient: the indexer loss's target)."""
     k_nope, v = up_project(c_kv, w_uk, w_uv)  # step 7
-    logits = jnp.einsum("bshd,bthd->bhst", q_nope, k_nope, preferred_element_type=f32)  # steps 8-9: Q K^T, the
-    logits = (logits + jnp.einsum("bshr,btr->bhst", q_pe, k_pe, preferred_element_type=f32)) * scale  # rope key shared
+    # steps 8-9: Q K^T = q_nope . k_nope + q_pe . k_pe (the one rope key shared by the heads), times the scale
+    logits = jnp.einsum("bshd,bthd->bhst", q_nope, k_nope, preferred_element_type=f32)
+    logits = (logits + jnp.einsum("bshr,btr->bhst", q_pe, k_pe, preferred_element_type=f32)) * scale
     S = q_nope.shape[1]
     logits = jnp.where(visible(segment_ids, segment_ids, jnp.arange(S))[:, None], logits, -jnp.inf)  # step 10
     p = jax.nn.softmax(logits, axis=-1)
@@ -67,8 +70,10 @@ def sparse_mla(q_nope, q_pe, latent, topk, w_uk, w_uv, scale: float, kv_lora_ran
     """Sparse MLA (B.7) in the absorbed form (D.2): each query attends over the latent rows its top-k selects.
 
     q_nope [B,S,H,d_n], q_pe [B,S,H,d_r] (roped), latent [B,T,r_kv+d_r] (the cache rows [c_kv | k_pe]), topk
-    [B,S,k] int32 key slots (-1: no key; the indexer's selection is causal and same-document, B.6 step 7),
-    w_uk [r_kv,H,d_n], w_uv [r_kv,H,d_v] -> out [B,S,H,d_v] (0 for a query without a key), lse [B,S,H] f32."""
+    [B,S,k] int32 key slots (-1: no key; the indexer's selection is causal and same-document, B.6 steps 7-8),
+    w_uk [r_kv,H,d_n], w_uv [r_kv,H,d_v] -> out [B,S,H,d_v] (0 for a query without a key), lse [B,S,H] f32 (-inf
+    for a query without a key). The backends' `sparse_mla` (glmjax/model/backends.py) is its core: absorbed
+    queries in, the latent-space output (before W_UV) out."""
     q_abs = absorb(q_nope, q_pe, w_uk)  # [B,S,H,576]: q_nope . W_UK | q_pe
     rows = jax.vmap(lambda rows_b, ids: rows_b[ids])(latent, jnp.maximum(topk, 0))  # [B,S,k,576]: the selected keys
     logits = jnp.einsum("bshc,bskc->bshk", q_abs, rows, preferred_element_type=f32) * scale
@@ -77,3 +82,16 @@ def sparse_mla(q_nope, q_pe, latent, topk, w_uk, w_uv, scale: float, kv_lora_ran
     p = jnp.where(jnp.isfinite(lse)[..., None], jnp.exp(logits - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]), 0)
     o_lat = jnp.einsum("bshk,bskr->bshr", p.astype(latent.dtype), rows[..., :kv_lora_rank])  # values: c_kv rows
     return jnp.einsum("bshr,rhv->bshv", o_lat, w_uv), lse
+
+
+class AttnStats(NamedTuple):
+    """What an attention layer reports besides its output; None where its mode and the Ctx flags produce nothing.
+    With ctx.index_loss a layer reports its indexer-loss inputs either materialised (attn_p, index_logits: sparse
+    mode, and the materialised dense path) or in the streamed form (attn_target, index_qkw: blocked dense)."""
+    max_logit: jax.Array | None = None  # () largest attention logit, no gradient (dense training)
+    attn_p: jax.Array | None = None  # head-mean attention probabilities, no gradient, [B,S,T] dense, [B,S,k] sparse
+    index_logits: jax.Array | None = None  # full layers: index scores of the same keys, differentiable
+    attn_topk: jax.Array | None = None  # ctx.topk_stats (dense): [B,S,k] top-k keys of the head-mean attention
+    index_topk: jax.Array | None = None  # ctx.topk_stats (dense), full layers: [B,S,k] the indexer's top-k
+    attn_target: DenseTarget | None = None  # dense, streamed: the attention to recompute per key block
+    index_qkw: tuple | None = None  # dense, streamed, full layers: the indexer's (q, k, w), differentiable

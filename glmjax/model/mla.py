@@ -24,9 +24,8 @@ from glmjax.model import mla_paths, mla_variants
 from glmjax.model.backends import Backend
 from glmjax.model.context import Layout
 from glmjax.model.indexer import Indexer
-from glmjax.model.latent_attention import Projected
+from glmjax.model.latent_attention import AttnStats, Projected
 from glmjax.model.layers import RMSNorm, apply_rope, dense, dtype_of, normal_param
-from glmjax.model.mla_variants import AttnStats
 
 __all__ = ["MLA", "Ctx", "AttnStats", "write_rows"]
 

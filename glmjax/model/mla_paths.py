@@ -2,9 +2,9 @@
 
     dense, training  "materialised" (latent_attention.dense_mla, the plain path) while the [B,H,S,T] scores stay
                      within Limits.materialise_scores, unless context parallelism splits the sequence or
-                     model.dense_attention_impl is "splash"; else "blocked" (flash attention: JAX's splash kernel or
-                     the XLA flash, `dense_kernels.choose`), as "head_groups" (one rematerialised step per group of
-                     heads) past Limits.head_group_rows of S x heads
+                     model.dense_attention_impl names a kernel; else "blocked" (flash attention: JAX's splash or
+                     Pallas GPU kernel, or the XLA flash: `dense_kernels.choose`), as "head_groups" (one
+                     rematerialised step per group of heads) past Limits.head_group_rows of S x heads
     dense, cached    "absorbed" (materialised MQA over the latent rows) while its scores stay small, and always on a
                      cache split over context (decode); else "absorbed_blocked" (flash in MQA form)
     sparse           "sparse": the backend's (model.attention_impl) indexer top-k and sparse MLA over the whole
@@ -69,8 +69,8 @@ def dense_training(B: int, S: int, H: int, impl: str, context_parallel: bool) ->
     scores = f"B·H·S·T = {B * H * S * S:,}"
     if context_parallel:
         why = "context parallelism splits the sequence"
-    elif impl == "splash":
-        why = "model.dense_attention_impl='splash'"
+    elif impl not in ("auto", "xla"):  # a kernel named
+        why = f"model.dense_attention_impl={impl!r}"
     elif materialise(B, H, S, S):
         return Path("materialised", f"{scores} <= {LIMITS.materialise_scores:,.0f} (Limits.materialise_scores)")
     else:
@@ -87,8 +87,10 @@ def dense_cached(B: int, S: int, H: int, T: int, split_cache: bool) -> Path:
     if split_cache:
         return Path("absorbed", "the cache is split over context (scores split with it)")
     if materialise(B, H, S, T):
-        return Path("absorbed", f"B·H·S·T = {B * H * S * T:,} <= {LIMITS.materialise_scores:,.0f}")
-    return Path("absorbed_blocked", f"B·H·S·T = {B * H * S * T:,} > {LIMITS.materialise_scores:,.0f}")
+        return Path("absorbed", f"B·H·S·T = {B * H * S * T:,} <= {LIMITS.materialise_scores:,.0f} "
+                    "(Limits.materialise_scores)")
+    return Path("absorbed_blocked", f"B·H·S·T = {B * H * S * T:,} > {LIMITS.materialise_scores:,.0f} "
+                "(Limits.materialise_scores)")
 
 
 def sparse(S: int, H: int, cached: bool) -> Path:
@@ -102,7 +104,7 @@ def sparse(S: int, H: int, cached: bool) -> Path:
 
 
 def dense_kernel(impl: str, B: int, S: int, H: int, context_parallel: bool) -> str:
-    """The blocked dense path's kernel on the platform traced for: "splash" or "xla" (`dense_kernels.choose`)."""
+    """The blocked dense path's kernel on the platform traced for (`dense_kernels.choose`)."""
     q = jax.ShapeDtypeStruct((B, S, H, 1), "float32")
     return dense_kernels.choose(impl, q, q, "slots" if context_parallel else None)
 
@@ -121,7 +123,7 @@ def describe(cfg, mode: str, B: int, S: int, mesh=None) -> list[str]:
         else:
             with contextlib.nullcontext() if mesh is None else jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
                 kernel = dense_kernel(cfg.dense_attention_impl, B, S, H, context_parallel)
-            kernel = " (splash kernel)" if kernel == "splash" else " (XLA flash)"
+            kernel = {"splash": " (splash kernel)", "pallas_gpu": " (Pallas GPU flash)"}.get(kernel, " (XLA flash)")
         return [f"attention: {layers} dense, {path.kind}{kernel}: {path.why}{cp}"]
     path = sparse(S, H, cached=False)
     kinds = cfg.layer_indexer_types

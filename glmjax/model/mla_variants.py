@@ -10,11 +10,10 @@ its plain path within float tolerance (tests/test_mla_paths.py); mla_paths.py ch
 Context parallelism wraps each in `context.local_queries` (local queries, key rows gathered): per-head keys are
 expanded on each shard from the gathered 576-wide latent rows, not gathered themselves.
 
-Each function takes the layer (`glmjax.model.mla.MLA`: its weights, `w_q`, `output`) and the call's `Ctx`.
+The entry points (`dense_training`, `dense_cached`, `sparse`) and the functions they call with the layer take the
+layer itself (`glmjax.model.mla.MLA`: its weights, `queries`, `output`) and the call's `Ctx`.
 """
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -25,22 +24,9 @@ from glmjax.model.context import Layout, local_queries
 from glmjax.model.flash_attention import flash_attention
 from glmjax.model.index_loss import DenseTarget, dense_target, streaming_attention_topk
 from glmjax.model.indexer import index_scores, index_topk, masked_topk, visible
-from glmjax.model.latent_attention import Projected, absorb, dense_mla, expand_kv
+from glmjax.model.latent_attention import AttnStats, Projected, absorb, dense_mla, expand_kv
 from glmjax.model.layers import dtype_of, f32
 from glmjax.model.sparse_attention import sparse_attention_probs
-
-
-class AttnStats(NamedTuple):
-    """What an attention layer reports besides its output; None where its mode and the Ctx flags produce nothing.
-    With ctx.index_loss a layer reports its indexer-loss inputs either materialised (attn_p, index_logits: sparse
-    mode, and the materialised dense path) or in the streamed form (attn_target, index_qkw: blocked dense)."""
-    max_logit: jax.Array | None = None  # () largest attention logit, no gradient (dense training)
-    attn_p: jax.Array | None = None  # head-mean attention probabilities, no gradient, [B,S,T] dense, [B,S,k] sparse
-    index_logits: jax.Array | None = None  # full layers: index scores of the same keys, differentiable
-    attn_topk: jax.Array | None = None  # ctx.topk_stats (dense): [B,S,k] top-k keys of the head-mean attention
-    index_topk: jax.Array | None = None  # ctx.topk_stats (dense), full layers: [B,S,k] the indexer's top-k
-    attn_target: DenseTarget | None = None  # dense, streamed: the attention to recompute per key block
-    index_qkw: tuple | None = None  # dense, streamed, full layers: the indexer's (q, k, w), differentiable
 
 
 def dense_training(layer, path: mla_paths.Path, x, p: Projected, ctx):
@@ -56,9 +42,11 @@ def dense_training(layer, path: mla_paths.Path, x, p: Projected, ctx):
     elif path.kind == "blocked":
         o, max_logit, target = dense_blocked(*args, cfg.block_q, ctx.q_idx, ctx.layout, cfg.dense_attention_impl)
         out = layer.output(o)
-    else:
+    elif path.kind == "materialised":
         o, max_logit, attn_p = dense_mla(*args)
         out = layer.output(o)
+    else:
+        raise ValueError(f"dense training attention: no variant {path.kind!r}")
     if not (ctx.index_loss or ctx.topk_stats):
         return out, AttnStats(max_logit)
     return out, dense_stats(layer, x, p, ctx, AttnStats(max_logit), attn_p, target)
@@ -174,6 +162,8 @@ def absorbed_attention(q_abs, latent, q_seg, kv_valid, q_idx, scale, r_kv, block
     path = mla_paths.dense_cached(*q_abs.shape[:3], latent.shape[1], split_cache=context.context_size() > 1)
     if path.kind == "absorbed":
         return dense_mla_absorbed(q_abs, latent, visible(q_seg, kv_valid, q_idx), scale, r_kv)
+    if path.kind != "absorbed_blocked":
+        raise ValueError(f"cached dense attention: no variant {path.kind!r}")
     return dense_mla_absorbed_blocked(q_abs, latent, q_seg, kv_valid, q_idx, scale, r_kv, block)
 
 
@@ -210,13 +200,15 @@ def sparse(layer, path: mla_paths.Path, x, p: Projected, ctx, latent, topk, cach
     with_p = ctx.index_loss and cache is None
     if path.kind == "sparse_chunks":
         out, attn_p = sparse_chunked(layer, p, ctx, latent, topk, fns.sparse_mla, path.chunk, with_p)
-    else:
+    elif path.kind == "sparse":  # the backend's sparse_mla: absorbed queries in, the latent-space output out
         q_abs = absorb(p.q_nope, p.q_pe, p.w_uk)
         o_lat, lse = on_context(fns.sparse_mla, context.SPARSE_MLA)(
             q_abs, latent, topk, scale=cfg.softmax_scale, kv_lora_rank=cfg.kv_lora_rank, block_q=cfg.block_q)
         out = layer.output(jnp.einsum("bshc,chv->bshv", o_lat, p.w_uv))
         attn_p = None if not with_p else on_context(sparse_attention_probs, context.SPARSE_PROBS)(
             q_abs, latent, topk, lse, scale=cfg.softmax_scale, block_q=cfg.block_q)
+    else:
+        raise ValueError(f"sparse attention: no variant {path.kind!r}")
     if not with_p:
         return out, topk, AttnStats(), cache
     index_logits = None if layer.indexer is None else on_context(

@@ -17,8 +17,8 @@ f32 = jnp.float32
 
 
 def gather_block_bytes() -> int:
-    """Budget for one query block's gathered rows: cache-sized on CPU (bench/attention.py: a 36 MiB block against a
-    32 MiB L3 ran 2.5x slower than an 18 MiB one), larger on accelerators."""
+    """Budget for one query block's gathered rows: cache-sized on CPU (why: docs/benchmarks.md, measurements
+    behind the model code's choices), larger on accelerators."""
     return (16 if jax.default_backend() == "cpu" else 512) * 2 ** 20
 
 

@@ -337,7 +337,7 @@ class GLM(nnx.Module):
 def on_batch_layout(x):
     """x [B,S,...] held in the batch layout of the mesh in context (rows over the batch axes, S over context; a no-op
     without a mesh). Inside the MTP depth loop XLA loses the tokens' layout and would look up the embeddings of the
-    whole [B,S] on every device (GLM-5 at 14 x 202,752: 35 GB per chip)."""
+    whole [B,S] on every device (its size: docs/benchmarks.md, measurements behind the model code's choices)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
         return x

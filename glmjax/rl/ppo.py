@@ -378,7 +378,7 @@ class PPORun:
         print(f"ppo: {p.task} ({p.env}), {self.B} rollouts/step ({p.prompts_per_step} prompts x {p.group_size}), "
               f"{p.steps} steps, {p.advantage} + {p.policy_loss}, {'async' if p.async_rollout else 'sync'} rollouts")
         print(self.learner.table)
-        rows = self.B * (p.max_sub_trajectories if p.context_budget else 1) // p.minibatches
+        rows = self.B * (p.max_sub_trajectories if p.context_budget else 1) // (p.minibatches * p.micro_batches)
         print("\n".join(mla_paths.describe(self.cfg, p.mode, max(1, rows), self.L)))  # a learner minibatch's
         # rollouts: the sampler runs on a device of its own when the trainer leaves one free
         devices = jax.devices()
