@@ -1,4 +1,5 @@
-"""Sparse training attention in rematerialised sequence chunks (`mla_variants.sparse_chunked`) == the whole sequence at once."""
+"""Sparse training attention in rematerialised sequence chunks (`mla_variants.sparse_chunked`) == the whole sequence
+at once."""
 import jax
 import jax.numpy as jnp
 import numpy as np

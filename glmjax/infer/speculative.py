@@ -19,8 +19,8 @@ program whatever the rows accept:
    query reads them: a query sees only slots up to its own (the causal mask), and those the step has just written.
 
 Equal to plain greedy decoding up to floating-point rounding: a verify pass of d+1 tokens and a decode step of one
-compute the same logits through different shapes (and, past `mla_paths.materialise`, possibly a different attention path),
-so a near-tie of two logits could in principle resolve differently; in f32 the tests see identical tokens.
+compute the same logits through different shapes (and, past `mla_paths.materialise`, possibly a different attention
+path), so a near-tie of two logits could in principle resolve differently; in f32 the tests see identical tokens.
 """
 from __future__ import annotations
 

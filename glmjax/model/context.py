@@ -110,7 +110,8 @@ QH = ("batch", "sequence", "heads")  # [B,S,H,...] attention queries and outputs
 IQ = ("batch", "index_queries")  # [B,S,...] queries of the head-summing indexer functions (context x tensor)
 K = ("batch", KEYS)  # [B,T,...] keys shared by the heads: latent rows, indexer keys, key segment ids
 W = (None, "heads")  # [r,H,...] weights with a head axis (the latent up-projections)
-# mla_variants.flash_from_latent: per-head keys / values are expanded from the gathered 576-wide latent rows on each shard
+# mla_variants.flash_from_latent: per-head keys / values are expanded from the gathered 576-wide latent rows on each
+# shard
 LATENT_FLASH = ((QH, QH, K, K, W, W, Q, K, Q, None, None), (QH, QH, QH))
 INDEX_TOPK = ((IQ, K, IQ, IQ, K, None, None, IQ), (IQ, IQ))  # Backend.index_topk
 SPARSE_MLA = ((QH, K, Q), (QH, QH))  # Backend.sparse_mla
