@@ -38,6 +38,21 @@ PRESETS = {
 }
 
 
+def train_step(model, tx, mode: str, B: int, S: int):
+    """-> (jitted step(params, opt_state, batch) -> ((params, opt_state), loss), donating its state; the initial
+    (params, opt_state); a batch of B random rows of S tokens, one document each)."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def step(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(lambda p: nnx.merge(graphdef, p, rest).loss(batch, mode)[0])(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), loss
+
+    tok = jax.random.randint(jax.random.key(S), (B, S), 0, model.cfg.vocab_size, dtype=jnp.int32)
+    batch = Batch(tok, jnp.ones((B, S), jnp.int32), jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S)))
+    return jax.jit(step, donate_argnums=(0, 1)), (params, tx.init(params)), batch
+
+
 def run(preset: str, steps: int, seq_lens=None, topk_ratio: int = 16):
     p = PRESETS[preset]
     rows = []
@@ -45,26 +60,11 @@ def run(preset: str, steps: int, seq_lens=None, topk_ratio: int = 16):
     for S in seq_lens or p["seq_lens"]:
         for mode in ("dense", "sparse"):
             cfg = ModelConfig(**{**p["model"], "index_topk": max(S // topk_ratio, 1)})
-            model = GLM(cfg, nnx.Rngs(0))
-            tx = optax.adamw(1e-4)
-            graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-            opt_state = tx.init(params)
-
-            def step(params, opt_state, batch):
-                def loss_fn(pr):
-                    return nnx.merge(graphdef, pr, rest).loss(batch, mode)[0]
-
-                loss, grads = jax.value_and_grad(loss_fn)(params)
-                updates, opt_state = tx.update(grads, opt_state, params)
-                return optax.apply_updates(params, updates), opt_state, loss
-
-            step = jax.jit(step, donate_argnums=(0, 1))
             B = p["batch"]
-            tok = jax.random.randint(jax.random.key(S), (B, S), 0, cfg.vocab_size, dtype=jnp.int32)
-            batch = Batch(tok, jnp.ones((B, S), jnp.int32), jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S)))
+            step, (params, opt_state), batch = train_step(GLM(cfg, nnx.Rngs(0)), optax.adamw(1e-4), mode, B, S)
             t0 = time.perf_counter()
             try:
-                params, opt_state, loss = step(params, opt_state, batch)
+                (params, opt_state), loss = step(params, opt_state, batch)
                 loss.block_until_ready()
             except Exception as e:  # e.g. out of memory for dense attention at long S
                 print(f"S={S} {mode}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
@@ -74,7 +74,7 @@ def run(preset: str, steps: int, seq_lens=None, topk_ratio: int = 16):
             times = []
             for _ in range(steps):
                 t0 = time.perf_counter()
-                params, opt_state, loss = step(params, opt_state, batch)
+                (params, opt_state), loss = step(params, opt_state, batch)
                 loss.block_until_ready()
                 times.append(time.perf_counter() - t0)
             med = statistics.median(times)
