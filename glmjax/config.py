@@ -68,7 +68,8 @@ class ModelConfig:
     init_std: float = 0.02
     dtype: str = "float32"  # compute dtype of matmuls; softmax/norm stats/router/indexer weights/losses are f32
     param_dtype: str = "float32"
-    moe_impl: str = "auto"  # "auto" (ragged_dot on TPU, blocked elsewhere) | "ragged_dot" | "blocked"
+    moe_impl: str = "auto"  # "auto" (ragged_dot on TPU, pallas_gpu on NVIDIA GPUs, blocked elsewhere) | "ragged_dot"
+    # | "blocked" | "pallas_gpu" (interpreted off a GPU)
     moe_dispatch: str = "auto"  # expert parallelism: "auto" (ragged on TPU) | "all_to_all" | "ragged_all_to_all"
     moe_capacity_factor: float = 0.0  # expert parallelism: 0 = dropless; f > 0 = f x the mean rows per expert shard
     attention_impl: str = "xla"  # "xla": top-k + gathered attention in XLA; "pallas": pallas_kernels/ (interpret off TPU)
@@ -220,8 +221,8 @@ class ModelConfig:
             fail("context_layout", "must be 'zigzag' or 'contiguous'")
         if self.dense_attention_impl not in ("auto", "xla", "splash", "pallas_gpu"):
             fail("dense_attention_impl", "must be one of auto, xla, splash, pallas_gpu")
-        if self.moe_impl not in ("auto", "ragged_dot", "blocked"):
-            fail("moe_impl", "must be one of auto, ragged_dot, blocked")
+        if self.moe_impl not in ("auto", "ragged_dot", "blocked", "pallas_gpu"):
+            fail("moe_impl", "must be one of auto, ragged_dot, blocked, pallas_gpu")
         if self.moe_dispatch not in ("auto", "all_to_all", "ragged_all_to_all"):
             fail("moe_dispatch", "must be one of auto, all_to_all, ragged_all_to_all")
         if self.moe_capacity_factor < 0:

@@ -2,7 +2,9 @@
 group-limited top-k, normalisation, routed scaling and a shared expert.
 
 Experts run with a sort-based dispatch: (token, slot) pairs are sorted by expert and multiplied group by group --
-`jax.lax.ragged_dot` on TPU, a block-padded grouped matmul elsewhere (no one-hot [tokens, experts] einsum anywhere).
+`jax.lax.ragged_dot` on TPU, a Pallas GPU grouped matmul on NVIDIA GPUs (`pallas_kernels/grouped_matmul.py`: every
+expert's rows padded to a 64-row block, weights read in place, weight gradients without a scatter), a block-padded
+grouped matmul in XLA elsewhere (`model.moe_impl`; no one-hot [tokens, experts] einsum anywhere).
 Group sizes and the expert load are counted by binary search in the sorted ids, not by scatter-add.
 
 On a device mesh (the abstract mesh in context, see `glmjax/parallel/sharding.py::with_mesh`) the experts run
@@ -27,6 +29,7 @@ the global one on any mesh: per-shard counts summed over the token axes (padding
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -34,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import pallas_kernels.grouped_matmul as gpu_gmm
 from glmjax.config import ModelConfig
 from glmjax.model.layers import dense, dtype_of, f32, normal_param
 from glmjax.parallel.rules import batch_axes, logical_spec, sequence_axes, token_axes
@@ -214,11 +218,19 @@ def platform(mesh=None) -> str:
     return dev.platform if dev is not None else jax.default_backend()
 
 
+MOE_IMPLS = {"tpu": "ragged_dot", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}  # "auto"'s choice per platform
+GPU_BLOCK_ROWS = 64  # rows per block of the Pallas GPU grouped matmul (each expert's rows padded to a multiple)
+
+
+def moe_impl(cfg: ModelConfig) -> str:
+    """The grouped matmul `model.moe_impl` names ("auto": by the platform traced for): ragged_dot | pallas_gpu |
+    blocked."""
+    return MOE_IMPLS.get(platform(), "blocked") if cfg.moe_impl == "auto" else cfg.moe_impl
+
+
 def grouped_matmul(cfg: ModelConfig):
-    impl = cfg.moe_impl
-    if impl == "auto":
-        impl = "ragged_dot" if platform() == "tpu" else "blocked"
-    return grouped_matmul_ragged if impl == "ragged_dot" else grouped_matmul_blocked
+    return {"ragged_dot": grouped_matmul_ragged, "pallas_gpu": grouped_matmul_gpu}.get(moe_impl(cfg),
+                                                                                        grouped_matmul_blocked)
 
 
 def sort_pairs(ids):
@@ -254,24 +266,27 @@ def local_experts(cfg: ModelConfig, x, order, sorted_ids, w):
     """All experts here: x [N,D], pairs sorted by expert -> expert outputs [N*K, D] in (token, slot) order."""
     K = order.shape[0] // x.shape[0]
     sizes = sorted_counts(sorted_ids, w[0].shape[0])
-    if grouped_matmul(cfg) is grouped_matmul_blocked:
-        return blocked_local_experts(x, order, sizes, w)
+    if moe_impl(cfg) != "ragged_dot":
+        return blocked_local_experts(x, order, sizes, w, kernel=moe_impl(cfg) == "pallas_gpu")
     h = expert_ffn(cfg, x[order // K].astype(w[0].dtype), sizes, w)
     return jnp.zeros_like(h).at[order].set(h)
 
 
-def blocked_local_experts(x, order, group_sizes, w):
-    """`local_experts` with the blocked grouped matmul, the same numbers with less data movement: each token row is
-    gathered once straight into the padded block layout, the three matmuls stay in it, and each (token, slot) pair
-    reads its output row once out of it (instead of a pad and an unpad around each matmul and a scatter back)."""
+def blocked_local_experts(x, order, group_sizes, w, kernel: bool = False):
+    """`local_experts` with the blocked grouped matmul (kernel: the Pallas GPU one), the same numbers with less data
+    movement: each token row is gathered once straight into the padded block layout, the three matmuls stay in
+    it, and each (token, slot) pair reads its output row once out of it (instead of a pad and an unpad around each
+    matmul and a scatter back)."""
     N, M = x.shape[0], order.shape[0]
-    bm, nb, dest, block_group = block_layout(group_sizes, M)
+    layout = block_layout(group_sizes, M, GPU_BLOCK_ROWS if kernel else None)
+    bm, nb, dest = layout[:3]
+    mm = functools.partial(kernel_block_matmul if kernel else block_matmul, layout=layout)
     src = jnp.full((nb * bm,), N, jnp.int32).at[dest].set(order // (M // N), mode="drop")  # token per row, N: none
     xp = x.at[src].get(mode="fill", fill_value=0).astype(w[0].dtype)
     wg, wu, wd = w
-    hp = jax.nn.silu(block_matmul(xp, wg, block_group)) * block_matmul(xp, wu, block_group)  # padding rows stay 0
+    hp = jax.nn.silu(mm(xp, wg)) * mm(xp, wu)  # padding rows stay 0
     slot = jnp.zeros((M,), jnp.int32).at[order].set(dest)  # padded row of each (token, slot) pair
-    return block_matmul(hp, wd, block_group)[slot]
+    return mm(hp, wd)[slot]
 
 
 def _run_received(cfg, rows, local_ids, w):
@@ -336,22 +351,31 @@ def grouped_matmul_ragged(xs, w, group_sizes):
     return jax.lax.ragged_dot(xs, w, group_sizes)
 
 
-def grouped_matmul_blocked(xs, w, group_sizes):
+def grouped_matmul_blocked(xs, w, group_sizes, kernel: bool = False):
     """Same result as `grouped_matmul_ragged` with static shapes and no dense fallback: every group is padded to a
-    multiple of a row block (`block_layout`), so each block belongs to one group and is one [bm,D] x [D,F] matmul.
-    Rows past sum(group_sizes) (receive buffers of expert parallelism) give 0, as with ragged_dot."""
+    multiple of a row block (`block_layout`), so each block belongs to one group and is one [bm,D] x [D,F] matmul
+    (kernel: the Pallas GPU grouped matmul). Rows past sum(group_sizes) (receive buffers of expert parallelism)
+    give 0, as with ragged_dot."""
     M, D = xs.shape
-    bm, nb, dest, block_group = block_layout(group_sizes, M)
+    layout = block_layout(group_sizes, M, GPU_BLOCK_ROWS if kernel else None)
+    bm, nb, dest = layout[:3]
     xp = jnp.zeros((nb * bm, D), xs.dtype).at[dest].set(xs, mode="drop")
-    return block_matmul(xp, w, block_group).at[dest].get(mode="fill", fill_value=0)
+    out = (kernel_block_matmul if kernel else block_matmul)(xp, w, layout)
+    return out.at[dest].get(mode="fill", fill_value=0)
 
 
-def block_layout(group_sizes, M: int):
+def grouped_matmul_gpu(xs, w, group_sizes):
+    """`grouped_matmul_blocked` by the Pallas GPU grouped matmul, blocks of GPU_BLOCK_ROWS rows."""
+    return grouped_matmul_blocked(xs, w, group_sizes, kernel=True)
+
+
+def block_layout(group_sizes, M: int, bm: int | None = None):
     """The padded layout of M rows sorted by group, group_sizes [E] -> (bm, nb, dest [M] padded row of each row
-    (nb * bm for rows past sum(group_sizes)), block_group [nb] the group of each block of bm rows).
-    Padding costs at most E*(bm-1) extra rows; bm ~ the mean group size keeps that <= M."""
+    (nb * bm for rows past sum(group_sizes)), block_group [nb] the group of each block of bm rows, group_blocks
+    [E+1] the first block of each group and nb). Padding costs at most E*(bm-1) extra rows; bm (None: ~ the mean
+    group size) keeps that <= M."""
     E = group_sizes.shape[0]
-    bm = int(min(512, max(8, 2 ** int(np.log2(max(M // E, 1))))))
+    bm = bm or int(min(512, max(8, 2 ** int(np.log2(max(M // E, 1))))))
     nb = -(-(M + E * (bm - 1)) // bm)
     padded = -(-group_sizes // bm) * bm
     ends = jnp.cumsum(padded)
@@ -362,12 +386,20 @@ def block_layout(group_sizes, M: int):
     dest = jnp.where(rows < jnp.sum(group_sizes), pstart[group] + rows - start[group], nb * bm)
     block_group = jnp.minimum(jnp.searchsorted(ends, jnp.arange(nb) * bm, side="right", method="scan_unrolled"),
                               E - 1)
-    return bm, nb, dest, block_group
+    group_blocks = jnp.concatenate([pstart, jnp.full((1,), nb * bm, pstart.dtype)]) // bm
+    return bm, nb, dest, block_group, group_blocks.astype(jnp.int32)
 
 
-def block_matmul(xp, w, block_group):
-    """Rows in the padded layout [nb*bm, D], w [E,D,F], block_group [nb] -> [nb*bm, F], each block times its
-    group's matrix."""
+def kernel_block_matmul(xp, w, layout):
+    """`block_matmul` by the Pallas GPU grouped matmul (interpreted off a GPU)."""
+    interpret = MOE_IMPLS.get(platform()) != "pallas_gpu"
+    return gpu_gmm.gmm(xp, w, layout[3].astype(jnp.int32), layout[4], interpret)
+
+
+def block_matmul(xp, w, layout):
+    """Rows in the padded layout [nb*bm, D], w [E,D,F], layout = `block_layout`'s -> [nb*bm, F], each block times
+    its group's matrix."""
+    block_group = layout[3]
     nb = block_group.shape[0]
     out = jnp.einsum("jbd,jdf->jbf", xp.reshape(nb, -1, xp.shape[-1]), w[block_group])
     return out.reshape(xp.shape[0], -1)
