@@ -151,9 +151,9 @@ GPU_BACKWARD_BLOCK = 32  # the Pallas GPU kernel's dq / dkv blocks (its defaults
 
 def gpu_block(d: int, S: int) -> int:
     """The Pallas GPU kernel's forward query / key block for head dim d: 128 up to d = 128, 64 beyond (its q, k and
-    v tiles live in on-chip memory), no larger than S rounded up to the backward block (which must divide it)."""
-    up = -(-S // GPU_BACKWARD_BLOCK) * GPU_BACKWARD_BLOCK
-    return min(128 if d <= 128 else 64, up)
+    v tiles live in on-chip memory), no larger than S rounded up to a power of two (Triton's tiles) of at least the
+    backward block (which must divide it)."""
+    return min(128 if d <= 128 else 64, max(GPU_BACKWARD_BLOCK, 1 << (S - 1).bit_length()))
 
 
 def _gpu_local(q, k, v, q_seg, k_seg, scale: float, block: int, interpret: bool):
@@ -162,7 +162,7 @@ def _gpu_local(q, k, v, q_seg, k_seg, scale: float, block: int, interpret: bool)
     after every real query). k_seg is q_seg here (self-attention: `kernel_misfit`)."""
     del k_seg, block  # one segment-id array for queries and keys; the kernel's blocks follow the head dim
     B, S, H, e = v.shape
-    d = max(q.shape[-1], e)
+    d = max(q.shape[-1], e, 16)  # (Triton's dots want 16 at least)
     b = gpu_block(d, S)
     pad = -S % b
     fit = lambda a: jnp.pad(a, [(0, 0), (0, pad), (0, 0), (0, d - a.shape[-1])])  # noqa: E731

@@ -3,7 +3,7 @@ group-limited top-k, normalisation, routed scaling and a shared expert.
 
 Experts run with a sort-based dispatch: (token, slot) pairs are sorted by expert and multiplied group by group --
 `jax.lax.ragged_dot` on TPU, a Pallas GPU grouped matmul on NVIDIA GPUs (`pallas_kernels/grouped_matmul.py`: every
-expert's rows padded to a 64-row block, weights read in place, weight gradients without a scatter), a block-padded
+expert's rows padded to blocks of 16-64 rows, weights read in place, weight gradients without a scatter), a block-padded
 grouped matmul in XLA elsewhere (`model.moe_impl`; no one-hot [tokens, experts] einsum anywhere).
 Group sizes and the expert load are counted by binary search in the sorted ids, not by scatter-add.
 
@@ -219,7 +219,7 @@ def platform(mesh=None) -> str:
 
 
 MOE_IMPLS = {"tpu": "ragged_dot", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}  # "auto"'s choice per platform
-GPU_BLOCK_ROWS = 64  # rows per block of the Pallas GPU grouped matmul (each expert's rows padded to a multiple)
+GPU_BLOCK_ROWS = (16, 64)  # rows per block of the Pallas GPU grouped matmul: ~ the mean rows per expert, in range
 
 
 def moe_impl(cfg: ModelConfig) -> str:
@@ -278,7 +278,7 @@ def blocked_local_experts(x, order, group_sizes, w, kernel: bool = False):
     it, and each (token, slot) pair reads its output row once out of it (instead of a pad and an unpad around each
     matmul and a scatter back)."""
     N, M = x.shape[0], order.shape[0]
-    layout = block_layout(group_sizes, M, GPU_BLOCK_ROWS if kernel else None)
+    layout = block_layout(group_sizes, M, kernel)
     bm, nb, dest = layout[:3]
     mm = functools.partial(kernel_block_matmul if kernel else block_matmul, layout=layout)
     src = jnp.full((nb * bm,), N, jnp.int32).at[dest].set(order // (M // N), mode="drop")  # token per row, N: none
@@ -357,7 +357,7 @@ def grouped_matmul_blocked(xs, w, group_sizes, kernel: bool = False):
     (kernel: the Pallas GPU grouped matmul). Rows past sum(group_sizes) (receive buffers of expert parallelism)
     give 0, as with ragged_dot."""
     M, D = xs.shape
-    layout = block_layout(group_sizes, M, GPU_BLOCK_ROWS if kernel else None)
+    layout = block_layout(group_sizes, M, kernel)
     bm, nb, dest = layout[:3]
     xp = jnp.zeros((nb * bm, D), xs.dtype).at[dest].set(xs, mode="drop")
     out = (kernel_block_matmul if kernel else block_matmul)(xp, w, layout)
@@ -365,17 +365,18 @@ def grouped_matmul_blocked(xs, w, group_sizes, kernel: bool = False):
 
 
 def grouped_matmul_gpu(xs, w, group_sizes):
-    """`grouped_matmul_blocked` by the Pallas GPU grouped matmul, blocks of GPU_BLOCK_ROWS rows."""
+    """`grouped_matmul_blocked` by the Pallas GPU grouped matmul (blocks of GPU_BLOCK_ROWS rows)."""
     return grouped_matmul_blocked(xs, w, group_sizes, kernel=True)
 
 
-def block_layout(group_sizes, M: int, bm: int | None = None):
+def block_layout(group_sizes, M: int, kernel: bool = False):
     """The padded layout of M rows sorted by group, group_sizes [E] -> (bm, nb, dest [M] padded row of each row
     (nb * bm for rows past sum(group_sizes)), block_group [nb] the group of each block of bm rows, group_blocks
-    [E+1] the first block of each group and nb). Padding costs at most E*(bm-1) extra rows; bm (None: ~ the mean
-    group size) keeps that <= M."""
+    [E+1] the first block of each group and the first block past the last group's rows). Padding costs at most
+    E*(bm-1) extra rows; bm ~ the mean group size (8..512; kernel: in GPU_BLOCK_ROWS) keeps that <= M."""
     E = group_sizes.shape[0]
-    bm = bm or int(min(512, max(8, 2 ** int(np.log2(max(M // E, 1))))))
+    lo, hi = GPU_BLOCK_ROWS if kernel else (8, 512)
+    bm = int(min(hi, max(lo, 2 ** int(np.log2(max(M // E, 1))))))
     nb = -(-(M + E * (bm - 1)) // bm)
     padded = -(-group_sizes // bm) * bm
     ends = jnp.cumsum(padded)
@@ -386,7 +387,7 @@ def block_layout(group_sizes, M: int, bm: int | None = None):
     dest = jnp.where(rows < jnp.sum(group_sizes), pstart[group] + rows - start[group], nb * bm)
     block_group = jnp.minimum(jnp.searchsorted(ends, jnp.arange(nb) * bm, side="right", method="scan_unrolled"),
                               E - 1)
-    group_blocks = jnp.concatenate([pstart, jnp.full((1,), nb * bm, pstart.dtype)]) // bm
+    group_blocks = jnp.concatenate([pstart, ends[-1:]]) // bm
     return bm, nb, dest, block_group, group_blocks.astype(jnp.int32)
 
 
