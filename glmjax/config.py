@@ -72,7 +72,8 @@ class ModelConfig:
     # | "blocked" | "pallas_gpu" (interpreted off a GPU)
     moe_dispatch: str = "auto"  # expert parallelism: "auto" (ragged on TPU) | "all_to_all" | "ragged_all_to_all"
     moe_capacity_factor: float = 0.0  # expert parallelism: 0 = dropless; f > 0 = f x the mean rows per expert shard
-    attention_impl: str = "xla"  # "xla": top-k + gathered attention in XLA; "pallas": pallas_kernels/ (interpret off TPU)
+    attention_impl: str = "xla"  # "xla": top-k + gathered attention in XLA; "pallas": pallas_kernels/ (the TPU
+    # kernels, interpreted off TPU; on an NVIDIA GPU XLA's top-k and the GPU sparse MLA): glmjax/model/backends.py
     dense_attention_impl: str = "auto"  # dense causal training attention: "auto" (splash kernel on TPU, Pallas GPU
     # flash on NVIDIA GPUs, XLA flash elsewhere) | "xla" | "splash" | "pallas_gpu" (a kernel named: also off its
     # platform, interpreted; always blocked); context shards (explicit key slots) always run the XLA flash; see

@@ -1,16 +1,17 @@
-"""Pallas TPU kernels for DeepSeek Sparse Attention and a Pallas GPU grouped matmul for the MoE, each beside its XLA
-reference:
+"""Pallas kernels, each beside its XLA reference: for TPU the DeepSeek Sparse Attention kernels, for NVIDIA GPUs
+(Triton backend) a sparse MLA and the MoE's grouped matmul.
 
-| module           | kernel       | XLA reference          |
-|------------------|--------------|------------------------|
-| `indexer`        | `index_topk` | `index_topk_reference` |
-| `sparse_mla`     | `sparse_mla` | `sparse_mla_reference` |
-| `grouped_matmul` | `gmm` (GPU)  | `gmm_reference`        |
+| module           | kernel             | XLA reference                      |
+|------------------|--------------------|------------------------------------|
+| `indexer`        | `index_topk`       | `index_topk_reference`             |
+| `sparse_mla`     | `sparse_mla`       | `sparse_mla_reference`             |
+| `sparse_mla_gpu` | `sparse_mla` (GPU) | `sparse_mla.sparse_mla_reference`  |
+| `grouped_matmul` | `gmm` (GPU)        | `gmm_reference`                    |
 
-A library on jax alone: the model's choice between these kernels and its own XLA functions
-(`ModelConfig(attention_impl="xla" | "pallas")`) is made in `glmjax.model.backends` (the grouped matmul:
-`model.moe_impl`, `glmjax.model.moe`). Off TPU the TPU kernels run in Pallas' TPU interpret mode
-(`common.interpret_params`), off a GPU the GPU kernel in Pallas' interpret mode; the block-size table of each
+A library on jax alone: the model's choice between these kernels and its own XLA functions is made in
+`glmjax.model.backends` (`ModelConfig(attention_impl="xla" | "pallas")`; "pallas" on a GPU takes the GPU sparse
+MLA) and `glmjax.model.moe` (`model.moe_impl`). Off TPU the TPU kernels run in Pallas' TPU interpret mode
+(`common.interpret_params`), off a GPU the GPU kernels in Pallas' interpret mode; the block-size table of each
 kernel is in its module docstring.
 """
 from pallas_kernels.indexer import index_topk, index_topk_reference

@@ -1,6 +1,7 @@
 """Helpers shared by the Pallas kernels: interpret-mode selection and calling, padding, and the VMEM limit."""
 from __future__ import annotations
 
+import functools
 import os
 
 import jax
@@ -71,3 +72,26 @@ def lane_padded(rows: int, cols: int, itemsize: int) -> int:
     """Bytes of a [rows, cols] VMEM array in (8, 128) tiles of 32-bit words (16 sublanes for 16-bit types)."""
     sub = 8 * (4 // itemsize) if itemsize < 4 else 8
     return round_up(rows, sub) * round_up(cols, 128) * itemsize
+
+
+def sparse_mla_vjp(forward, backward):
+    """The custom-VJP function of a sparse MLA kernel pair: forward(q, kv, indices, scale, R, blocks, interpret) ->
+    (out, lse); backward(q, kv, indices, dout, lse, dterm, scale, R, blocks, interpret) -> (dq, dkv), where
+    dterm = sum(dout * out) - dlse per query and head (the softmax backward's delta, with the lse's cotangent)."""
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+    def fn(q, kv, indices, scale, R, blocks, interpret):
+        return forward(q, kv, indices, scale, R, blocks, interpret)
+
+    def fwd(q, kv, indices, scale, R, blocks, interpret):
+        out, lse = forward(q, kv, indices, scale, R, blocks, interpret)
+        return (out, lse), (q, kv, indices, out, lse)
+
+    def bwd(scale, R, blocks, interpret, res, cts):
+        q, kv, indices, out, lse = res
+        dout, dlse = cts
+        dterm = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - dlse
+        dq, dkv = backward(q, kv, indices, dout, lse, dterm, scale, R, blocks, interpret)
+        return dq, dkv, None
+
+    fn.defvjp(fwd, bwd)
+    return fn

@@ -78,7 +78,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.common import call, interpret_params, lane_padded, pad_axis, round_up, vmem_limit
+from pallas_kernels.common import (call, interpret_params, lane_padded, pad_axis, round_up, sparse_mla_vjp,
+                                   vmem_limit)
 
 f32, u32 = jnp.float32, jnp.uint32
 SPLITS = 2  # independent dkv accumulators (= TensorCores per megacore chip)
@@ -148,27 +149,6 @@ def sparse_mla_reference(q, kv, indices, *, scale: float, kv_lora_rank: int, blo
     out = out / l_safe[..., None]
     lse = jnp.where(l > 0, m + jnp.log(l_safe), -jnp.inf)
     return out.astype(q.dtype), lse
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _sparse_mla(q, kv, indices, scale, R, blocks, interpret):
-    return _forward(q, kv, indices, scale, R, blocks, interpret)
-
-
-def _sparse_mla_fwd(q, kv, indices, scale, R, blocks, interpret):
-    out, lse = _forward(q, kv, indices, scale, R, blocks, interpret)
-    return (out, lse), (q, kv, indices, out, lse)
-
-
-def _sparse_mla_bwd(scale, R, blocks, interpret, res, cts):
-    q, kv, indices, out, lse = res
-    dout, dlse = cts
-    dterm = jnp.sum(dout.astype(f32) * out.astype(f32), axis=-1) - dlse  # delta - dlse, [B,S,H]
-    dq, dkv = _backward(q, kv, indices, dout, lse, dterm, scale, R, blocks, interpret)
-    return dq, dkv, None
-
-
-_sparse_mla.defvjp(_sparse_mla_fwd, _sparse_mla_bwd)
 
 
 # ------------------------------------------------------------------------------------------------ the gather
@@ -497,3 +477,6 @@ def _backward(q, kv, indices, dout, lse, dterm, scale, R, blocks, interpret):
     )
     dq, dkv = call(kernel, mode, *operands)
     return dq[:, :S], jnp.sum(dkv, axis=0)[:, :T].astype(kv.dtype)
+
+
+_sparse_mla = sparse_mla_vjp(_forward, _backward)  # what `sparse_mla` calls

@@ -12,7 +12,8 @@ from helpers import FAST, tiny
 
 import pallas_kernels
 from glmjax.model import latent_attention, mla_paths
-from glmjax.model.indexer import index_scores, masked_topk
+from glmjax.model.backends import Backend, sparse_mla_gpu_kernel
+from glmjax.model.indexer import gathered_index_logits, index_scores, index_topk, masked_topk
 from glmjax.model.layers import rope_tables
 from glmjax.model.mla import MLA, Ctx
 
@@ -47,10 +48,10 @@ def plain(layer, x, cos, sin, mode, topk):
     return layer.output(o), topk
 
 
-def variant(layer, x, cos, sin, mode, topk, cached):
+def variant(layer, x, cos, sin, mode, topk, cached, backend=None):
     """The layer as it runs: on this sequence, or (cached) prefilling it into an empty cache of S slots."""
     if not cached:
-        out, topk, _, _ = layer(x, Ctx(cos, sin, jnp.asarray(SEG), mode), topk)
+        out, topk, _, _ = layer(x, Ctx(cos, sin, jnp.asarray(SEG), mode, backend=backend), topk)
         return out, topk
     cfg = layer.cfg
     cache = {"latent": jnp.zeros((B, S, cfg.kv_lora_rank + cfg.qk_rope_head_dim))}
@@ -76,7 +77,17 @@ def outputs_and_grads(layers, x, ct, fn):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True), compiler_options=FAST)(params, x)
 
 
-CASES = {  # name: (mode, cached, model config, limits, the path chosen)
+GPU_CALLS = []  # the GPU kernel's calls (the test checks the layer took it)
+
+
+def gpu_sparse_mla(*args, **kw):
+    GPU_CALLS.append(args[0].shape)
+    return sparse_mla_gpu_kernel(*args, **kw)
+
+
+# "pallas" on an NVIDIA GPU: XLA's top-k and the Pallas GPU sparse MLA (interpreted here)
+GPU_BACKEND = Backend(index_topk, gpu_sparse_mla, gathered_index_logits)
+CASES = {  # name: (mode, cached, model config (backend: the Ctx's), limits, the path chosen)
     "materialised": ("dense", False, {}, {}, "materialised"),
     "blocked": ("dense", False, {}, dict(materialise_scores=0), "blocked"),
     "blocked_splash": ("dense", False, dict(dense_attention_impl="splash"), {}, "blocked"),
@@ -86,6 +97,7 @@ CASES = {  # name: (mode, cached, model config, limits, the path chosen)
     "absorbed_blocked": ("dense", True, {}, dict(materialise_scores=0), "absorbed_blocked"),
     "sparse": ("sparse", False, {}, {}, "sparse"),
     "sparse_pallas": ("sparse", False, dict(attention_impl="pallas"), {}, "sparse"),
+    "sparse_pallas_gpu": ("sparse", False, dict(backend=GPU_BACKEND), {}, "sparse"),
     "sparse_chunks": ("sparse", False, {}, dict(sparse_chunk_rows=4 * 8), "sparse_chunks"),
     "sparse_cached": ("sparse", True, {}, {}, "sparse"),
 }
@@ -100,12 +112,15 @@ def test_variant_equals_the_plain_path(name, monkeypatch):
     for rule in ("dense_training", "dense_cached", "sparse"):
         fn = getattr(mla_paths, rule)
         monkeypatch.setattr(mla_paths, rule, lambda *a, fn=fn, **k: taken.append(fn(*a, **k)) or taken[-1])
-    cfg, layers, cos, sin, x, ct = setup(**cfg_kw)
+    backend = cfg_kw.get("backend")
+    GPU_CALLS.clear()
+    cfg, layers, cos, sin, x, ct = setup(**{k: v for k, v in cfg_kw.items() if k != "backend"})
     (_, (ref, ref_topk)), ref_grads = outputs_and_grads(layers, x, ct, lambda l, x, t: plain(l, x, cos, sin, mode, t))
     assert not taken
     (_, (got, topk)), grads = outputs_and_grads(layers, x, ct,
-                                                lambda l, x, t: variant(l, x, cos, sin, mode, t, cached))
+                                                lambda l, x, t: variant(l, x, cos, sin, mode, t, cached, backend))
     assert {path.kind for path in taken} == {kind}, taken
+    assert bool(GPU_CALLS) == (backend is GPU_BACKEND)
     np.testing.assert_array_equal(topk, ref_topk)
     assert float(jnp.max(jnp.abs(ref))) > 1e-2
     np.testing.assert_allclose(got, ref, atol=2e-5, rtol=1e-4)

@@ -20,11 +20,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 import pallas_kernels
-from glmjax.model import GLM
+from glmjax.model import GLM, dense_kernels
 from glmjax.model import indexer as ref_indexer
 from glmjax.model.sparse_attention import sparse_mla_xla
 from helpers import batch_from_docs, random_batch, tiny
 from pallas_kernels import index_topk, index_topk_reference, sparse_mla, sparse_mla_reference
+from pallas_kernels import sparse_mla_gpu
 from pallas_kernels.sparse_mla import cache_layout
 
 
@@ -87,6 +88,45 @@ def test_sparse_mla_grads_f32_checked():
     selected = jnp.zeros((B_MLA, S_MLA), bool).at[jnp.arange(B_MLA)[:, None, None],
                                                   jnp.where(idx >= 0, idx, S_MLA)].set(True, mode="drop")
     assert (~selected).any() and (dkv[~selected] == 0).all()  # keys nobody selected get no gradient
+
+
+def test_sparse_mla_gpu_kernel_equals_the_reference_with_gradients():
+    """The Pallas GPU (Triton) sparse MLA, interpreted: out, lse and the gradients w.r.t. q and kv through both
+    outputs against `sparse_mla_reference`: two packed documents (early queries with fewer than k keys), -1 holes,
+    a first chunk of -1s before valid rows, a query with no key, keys nobody selects (no gradient), 2 heads padded
+    to 16, k = 6 in chunks of 4 (the last one padded); the backward's atomic adds run discharged."""
+    rope = 16  # the GPU kernel wants the rope part a power of two >= 16 (C = 48)
+    q, kv, idx = mla_inputs(B=2)
+    q, kv = (jnp.concatenate([a, jax.random.normal(jax.random.key(9), a.shape[:-1] + (R + rope - C,))], -1)
+             for a in (q, kv))
+    idx = idx.at[1, 7].set(jnp.array([-1, -1, -1, -1, 5, 2])).at[1, 8].set(-1)  # a first chunk of -1s; no key
+    ct = jax.random.normal(jax.random.key(7), (2, S_MLA, H, R))
+    gpu = functools.partial(sparse_mla_gpu.sparse_mla, interpret=True, block_k=4)
+    (out, lse), (ref_out, ref_lse) = (jax.jit(functools.partial(fn, scale=SCALE, kv_lora_rank=R))(q, kv, idx)
+                                      for fn in (gpu, sparse_mla_reference))
+    np.testing.assert_allclose(out, ref_out, atol=1e-5)
+    np.testing.assert_array_equal(jnp.isinf(lse), jnp.isinf(ref_lse))
+    assert jnp.isinf(lse[1, 8]).all() and jnp.isfinite(lse[1, 7]).all()
+    np.testing.assert_allclose(finite(lse), finite(ref_lse), atol=1e-5)
+    grads = jax.jit(jax.grad(mla_loss(gpu, idx, ct), (0, 1)))(q, kv)
+    ref_grads = jax.jit(jax.grad(mla_loss(sparse_mla_reference, idx, ct), (0, 1)))(q, kv)
+    for a, b in zip(grads, ref_grads):
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
+    selected = jnp.zeros((2, S_MLA), bool).at[jnp.arange(2)[:, None, None],
+                                              jnp.where(idx >= 0, idx, S_MLA)].set(True, mode="drop")
+    assert (~selected).any() and (grads[1][~selected] == 0).all()
+
+
+def test_pallas_backend_on_a_gpu_takes_the_gpu_kernel(monkeypatch):
+    """attention_impl="pallas" traced for an NVIDIA GPU: XLA's top-k (the TPU kernel has no GPU lowering) and the
+    Pallas GPU sparse MLA, compiled (not interpreted)."""
+    monkeypatch.setattr(dense_kernels, "platform", lambda: "gpu")
+    cfg = tiny(attention_impl="pallas", num_hidden_layers=2, indexer_types=("full", "shared"), mtp_depth=0,
+               num_nextn_predict_layers=0)
+    model = GLM(cfg, nnx.Rngs(0))
+    batch = random_batch(model.cfg, 1, 16)
+    jaxpr = str(jax.make_jaxpr(lambda: model.loss(batch, "sparse"))())
+    assert "name=sparse_mla_gpu_fwd" in jaxpr and "name=index_topk" not in jaxpr and "interpret=False" in jaxpr
 
 
 @pytest.mark.slow
