@@ -35,8 +35,8 @@ from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
 from glmjax.model import context, dense_kernels, indexer, sparse_attention
-from pallas_kernels import sparse_mla_gpu
 from glmjax.parallel.rules import logical_spec
+from pallas_kernels import sparse_mla_gpu
 
 
 class Backend(NamedTuple):
