@@ -8,7 +8,18 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+
 GiB = 2 ** 30
+GPU_PLATFORMS = ("gpu", "cuda")  # jax's platform names of an NVIDIA GPU
+
+
+def platform(mesh=None) -> str:
+    """The platform the code is traced for: the devices of `mesh` (default: the abstract mesh in context; so an AOT
+    compile for a TPU topology from a CPU host is "tpu"), else the default backend."""
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+    dev = None if mesh.empty else mesh.abstract_device
+    return dev.platform if dev is not None else jax.default_backend()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,7 +6,7 @@
 | `indexer`        | `index_topk`       | `index_topk_reference`             |
 | `sparse_mla`     | `sparse_mla`       | `sparse_mla_reference`             |
 | `sparse_mla_gpu` | `sparse_mla` (GPU) | `sparse_mla.sparse_mla_reference`  |
-| `grouped_matmul` | `gmm` (GPU)        | `gmm_reference`                    |
+| `grouped_matmul` | `gmm` (GPU)        | `glmjax.model.moe.block_matmul`    |
 
 A library on jax alone: the model's choice between these kernels and its own XLA functions is made in
 `glmjax.model.backends` (`ModelConfig(attention_impl="xla" | "pallas")`; "pallas" on a GPU takes the GPU sparse

@@ -10,8 +10,8 @@ of the weights -- and the weight gradient of each group summed over its blocks b
 
 The layout is `glmjax.model.moe.block_layout`'s; padding rows are zero in, and their outputs are not read. Tiles:
 bn output columns and bk contracted columns per step (powers of two of at least 16 dividing F and D, as Triton
-wants them); `gmm_reference` is the XLA formula. Off a GPU the kernels run in Pallas' interpret mode (how the tests
-run them).
+wants them). Its XLA formula is `glmjax.model.moe.block_matmul` (tests/test_moe.py compares them). Off a GPU the
+kernels run in Pallas' interpret mode (how the tests run them).
 """
 from __future__ import annotations
 
@@ -32,13 +32,6 @@ def tile(n: int, most: int = 64) -> int:
     if t < 16:
         raise ValueError(f"grouped matmul: dimension {n} is not a multiple of 16")
     return t
-
-
-def gmm_reference(xp, w, block_group):
-    """The XLA formula: every block times its group's matrix (gathers a copy of the matrix per block)."""
-    nb = block_group.shape[0]
-    out = jnp.einsum("jbd,jdf->jbf", xp.reshape(nb, -1, xp.shape[-1]), w[block_group], preferred_element_type=f32)
-    return out.reshape(xp.shape[0], -1).astype(xp.dtype)
 
 
 def _gmm_kernel(group_ref, off_ref, x_ref, w_ref, o_ref, *, bk: int, transpose: bool):

@@ -11,6 +11,7 @@ from helpers import FAST, random_batch, tiny
 
 import glmjax.model.mla as mla
 from glmjax.config import ModelConfig
+from glmjax import hardware
 from glmjax.model import GLM, dense_kernels, latent_attention, mla_paths, mla_variants
 from glmjax.model.flash_attention import block_needed, flash_attention
 from glmjax.model.indexer import visible
@@ -215,7 +216,7 @@ def test_dense_attention_choice_follows_platform_override_and_fit(monkeypatch):
         dense_kernels.choose("cudnn", q, q, None)
     assert dense_kernels.choose("pallas_gpu", q, q, None) == "pallas_gpu"
     assert dense_kernels.choose("pallas_gpu", q, q, idx) == "xla"
-    monkeypatch.setattr(dense_kernels, "platform", lambda: "gpu")
+    monkeypatch.setattr(hardware, "platform", lambda mesh=None: "gpu")
     assert dense_kernels.choose("auto", q, q, None) == "pallas_gpu"
     assert dense_kernels.choose("auto", q, k_mqa, None) == "xla"
     monkeypatch.undo()

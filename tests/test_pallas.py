@@ -20,7 +20,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 import pallas_kernels
-from glmjax.model import GLM, dense_kernels
+from glmjax import hardware
+from glmjax.model import GLM
 from glmjax.model import indexer as ref_indexer
 from glmjax.model.sparse_attention import sparse_mla_xla
 from helpers import batch_from_docs, random_batch, tiny
@@ -120,7 +121,7 @@ def test_sparse_mla_gpu_kernel_equals_the_reference_with_gradients():
 def test_pallas_backend_on_a_gpu_takes_the_gpu_kernel(monkeypatch):
     """attention_impl="pallas" traced for an NVIDIA GPU: XLA's top-k (the TPU kernel has no GPU lowering) and the
     Pallas GPU sparse MLA, compiled (not interpreted)."""
-    monkeypatch.setattr(dense_kernels, "platform", lambda: "gpu")
+    monkeypatch.setattr(hardware, "platform", lambda mesh=None: "gpu")
     cfg = tiny(attention_impl="pallas", num_hidden_layers=2, indexer_types=("full", "shared"), mtp_depth=0,
                num_nextn_predict_layers=0)
     model = GLM(cfg, nnx.Rngs(0))

@@ -34,7 +34,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
-from glmjax.model import context, dense_kernels, indexer, sparse_attention
+from glmjax import hardware
+from glmjax.model import context, indexer, sparse_attention
 from glmjax.parallel.rules import logical_spec
 from pallas_kernels import sparse_mla_gpu
 
@@ -45,20 +46,18 @@ class Backend(NamedTuple):
     gathered_index_logits: Callable  # (q, k, w, indices, block_q) -> index scores at the selected keys [B,S,k']
 
 
-GPUS = ("gpu", "cuda")  # the platform names of an NVIDIA GPU
-
-
 def _on_mesh(kernel, axes, *args, split_keys, native=("tpu",), **static):
     """kernel(*args, **static) on the mesh in context: in shard_map (`local_queries`, keys whole), or directly without
     a mesh, on one device, or inside a region where every mesh axis is already manual. With the context axis still
     automatic (not inside the model's context-parallel shard_map: decoding against a cache split over context,
     glmjax/infer/decode.py), `split_keys(kernel, *args, **static)` instead. native: the platforms the kernel is
-    compiled for (interpreted on others: the TPU kernels by the mesh's devices, the GPU one by `platform()`)."""
+    compiled for (interpreted on others: the TPU kernels by the mesh's devices, the GPU one by
+    `hardware.platform()`)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return kernel(*args, **static)
-    if native == GPUS:
-        interpret = dense_kernels.platform() not in GPUS
+    if native == hardware.GPU_PLATFORMS:
+        interpret = hardware.platform() not in hardware.GPU_PLATFORMS
     else:
         interpret = mesh.abstract_device is None or mesh.abstract_device.platform != "tpu"  # Mosaic for a TPU mesh
     kernel = functools.partial(kernel, interpret=interpret)
@@ -125,7 +124,7 @@ def _sparse_mla_split(kernel, q, kv, indices, **static):
 def index_topk_on_mesh(q, k, w, q_seg, k_seg, topk: int, block_q: int, q_idx=None):
     """`pallas_kernels.index_topk` on the mesh in context: each shard scores its queries against all keys (or, on a
     cache split over context, its keys, then the top-k of the candidates: `_index_topk_split`)."""
-    if dense_kernels.platform() in GPUS:
+    if hardware.platform() in hardware.GPU_PLATFORMS:
         return indexer.index_topk(q, k, w, q_seg, k_seg, topk, block_q, q_idx)
     q_idx = jnp.broadcast_to(jnp.arange(q.shape[1], dtype=jnp.int32) if q_idx is None else q_idx, q.shape[:2])
     return _on_mesh(pallas_kernels.index_topk, context.INDEX_TOPK, q, k, w, q_seg, k_seg, topk, block_q, q_idx,
@@ -136,15 +135,15 @@ def sparse_mla_on_mesh(q, kv, indices, *, scale: float, kv_lora_rank: int, block
     """`pallas_kernels.sparse_mla` on the mesh in context: each shard attends with its queries and heads over the
     whole latent (the indices are global key slots; on a cache split over context: `_sparse_mla_split`). On an
     NVIDIA GPU the Pallas GPU kernel (`sparse_mla_gpu_kernel`)."""
-    gpu = dense_kernels.platform() in GPUS
+    gpu = hardware.platform() in hardware.GPU_PLATFORMS
     return _on_mesh(sparse_mla_gpu_kernel if gpu else pallas_kernels.sparse_mla, context.SPARSE_MLA, q, kv, indices,
                     scale=scale, kv_lora_rank=kv_lora_rank, block_q=block_q, split_keys=_sparse_mla_split,
-                    native=GPUS if gpu else ("tpu",))
+                    native=hardware.GPU_PLATFORMS if gpu else ("tpu",))
 
 
 def sparse_mla_gpu_kernel(q, kv, indices, *, interpret: bool | None = None, **static):
     """`pallas_kernels.sparse_mla_gpu.sparse_mla`, interpreted unless traced for an NVIDIA GPU (interpret None)."""
-    interpret = dense_kernels.platform() not in GPUS if interpret is None else interpret
+    interpret = hardware.platform() not in hardware.GPU_PLATFORMS if interpret is None else interpret
     return sparse_mla_gpu.sparse_mla(q, kv, indices, interpret=bool(interpret), **static)
 
 

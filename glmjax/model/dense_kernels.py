@@ -38,18 +38,12 @@ from jax.experimental.pallas.ops.gpu import attention as gpu_flash
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash_kernel
 
+from glmjax import hardware
 from glmjax.model import context
 
 DENSE_IMPLS = ("auto", "xla", "splash", "pallas_gpu")
-KERNELS = {"tpu": "splash", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}  # "auto"'s kernel per platform
+KERNELS = {"tpu": "splash", **dict.fromkeys(hardware.GPU_PLATFORMS, "pallas_gpu")}  # "auto"'s kernel per platform
 LANES = 128  # splash blocks are multiples of this
-
-
-def platform() -> str:
-    """The platform the code is traced for: the abstract mesh's devices, else the default backend."""
-    mesh = jax.sharding.get_abstract_mesh()
-    dev = None if mesh.empty else mesh.abstract_device
-    return dev.platform if dev is not None else jax.default_backend()
 
 
 def kernel_misfit(q, k, q_idx) -> str | None:
@@ -68,7 +62,7 @@ def choose(impl: str, q, k, q_idx) -> str:
     if impl not in DENSE_IMPLS:
         raise ValueError(f"dense attention impl {impl!r}: must be one of {DENSE_IMPLS}")
     if impl == "auto":
-        impl = KERNELS.get(platform(), "xla")
+        impl = KERNELS.get(hardware.platform(), "xla")
     return impl if impl != "xla" and kernel_misfit(q, k, q_idx) is None else "xla"
 
 
@@ -78,7 +72,7 @@ def kernel_attention(kind: str, q, k, v, q_seg, k_seg, scale: float, block: int)
     Differentiable in q, k, v; interpreted off its platform. On a mesh of several devices the kernel runs inside
     `jax.shard_map` (Pallas kernels cannot be partitioned by XLA)."""
     local = {"splash": _splash_local, "pallas_gpu": _gpu_local}[kind]
-    interpret = KERNELS.get(platform()) != kind
+    interpret = KERNELS.get(hardware.platform()) != kind
     if not context.needs_shard_map(jax.sharding.get_abstract_mesh()):
         return local(q, k, v, q_seg, k_seg, scale, block, interpret)
     one = context.Layout("contiguous", 1)  # nothing gathered: each shard holds whole sequences

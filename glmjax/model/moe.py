@@ -38,6 +38,7 @@ import numpy as np
 from flax import nnx
 
 import pallas_kernels.grouped_matmul as gpu_gmm
+from glmjax import hardware
 from glmjax.config import ModelConfig
 from glmjax.model.layers import dense, dtype_of, f32, normal_param
 from glmjax.parallel.rules import batch_axes, logical_spec, sequence_axes, token_axes
@@ -159,7 +160,7 @@ class MoE(nnx.Module):
         EP = math.prod(mesh.shape[a] for a in ep)
         dispatch = cfg.moe_dispatch
         if dispatch == "auto":
-            dispatch = "ragged_all_to_all" if platform(mesh) == "tpu" else "all_to_all"
+            dispatch = "ragged_all_to_all" if hardware.platform(mesh) == "tpu" else "all_to_all"
 
         def body(x, ids, w, real, wg, wu, wd):
             if d_axes:  # FSDP: gather the model width of this shard's experts (the backward reduce-scatters)
@@ -210,22 +211,14 @@ def _axes(spec, i) -> tuple[str, ...]:
     return () if a is None else (a,) if isinstance(a, str) else tuple(a)
 
 
-def platform(mesh=None) -> str:
-    """The platform the code is traced for: the mesh's devices (AOT compiles for TPU from a CPU host), else the
-    default backend."""
-    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
-    dev = None if mesh.empty else mesh.abstract_device
-    return dev.platform if dev is not None else jax.default_backend()
-
-
-MOE_IMPLS = {"tpu": "ragged_dot", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}  # "auto"'s choice per platform
+MOE_IMPLS = {"tpu": "ragged_dot", **dict.fromkeys(hardware.GPU_PLATFORMS, "pallas_gpu")}  # "auto"'s, per platform
 GPU_BLOCK_ROWS = (16, 64)  # rows per block of the Pallas GPU grouped matmul: ~ the mean rows per expert, in range
 
 
 def moe_impl(cfg: ModelConfig) -> str:
     """The grouped matmul `model.moe_impl` names ("auto": by the platform traced for): ragged_dot | pallas_gpu |
     blocked."""
-    return MOE_IMPLS.get(platform(), "blocked") if cfg.moe_impl == "auto" else cfg.moe_impl
+    return MOE_IMPLS.get(hardware.platform(), "blocked") if cfg.moe_impl == "auto" else cfg.moe_impl
 
 
 def grouped_matmul(cfg: ModelConfig):
@@ -393,7 +386,7 @@ def block_layout(group_sizes, M: int, kernel: bool = False):
 
 def kernel_block_matmul(xp, w, layout):
     """`block_matmul` by the Pallas GPU grouped matmul (interpreted off a GPU)."""
-    interpret = MOE_IMPLS.get(platform()) != "pallas_gpu"
+    interpret = MOE_IMPLS.get(hardware.platform()) != "pallas_gpu"
     return gpu_gmm.gmm(xp, w, layout[3].astype(jnp.int32), layout[4], interpret)
 
 
