@@ -64,13 +64,18 @@ def unsealed_marker(step_dir: str) -> str:
     return os.path.join(os.path.dirname(checkpoints), UNSEALED, os.path.basename(os.path.abspath(step_dir)))
 
 
+def never_sealed(step_dir: str) -> bool:
+    """Was the step marked by its writer (`unsealed_marker`) and never sealed (no manifest)? No file is read."""
+    return not os.path.exists(os.path.join(step_dir, MANIFEST)) and os.path.exists(unsealed_marker(step_dir))
+
+
 def verify_manifest(step_dir: str, item: str | None = None) -> str | None:
     """None if every file of the step (of its `item` only, e.g. "meta") matches its manifest, else what is wrong
     (naming the file). A step without a manifest: NEVER_SEALED when its writer marked it (`unsealed_marker`: a
     damaged step), else "unsealed" (written before manifests existed: the caller decides)."""
     path = os.path.join(step_dir, MANIFEST)
     if not os.path.exists(path):
-        return NEVER_SEALED if os.path.exists(unsealed_marker(step_dir)) else "unsealed"
+        return NEVER_SEALED if never_sealed(step_dir) else "unsealed"
     try:
         with open(path) as f:
             files = json.load(f)["files"]

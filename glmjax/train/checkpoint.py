@@ -34,8 +34,8 @@ from jax.experimental import multihost_utils
 from glmjax.orbax_noise import OrbaxNoise, quiet_orbax
 # the read side (manifests, the newest intact model state) is glmjax/workdir.py's; re-exported for its users here
 from glmjax.workdir import (MANIFEST, NEVER_SEALED, CheckpointError, file_crc32, first_non_finite,  # noqa: F401
-                            intact_steps, load_model_state, newest_meta, short_error, step_files, unsealed_marker,
-                            verify_manifest, write_manifest)
+                            intact_steps, load_model_state, never_sealed, newest_meta, short_error, step_files,
+                            unsealed_marker, verify_manifest, write_manifest)
 
 ITEMS = ("model", "opt_state", "data", "meta")
 
@@ -55,7 +55,7 @@ class Checkpoints:
         corrupt_checkpoints/ (the run writes those steps again), the others wait for it and reload."""
         if jax.process_index() == 0:
             for step in self.steps():
-                if verify_manifest(self.step_dir(step)) == NEVER_SEALED:
+                if never_sealed(self.step_dir(step)):  # (no checksums: the sealed steps are read when used)
                     warnings.warn(f"checkpoint {self.step_dir(step)} was {NEVER_SEALED}; it does not count",
                                   stacklevel=3)
                     self._set_aside(step)
