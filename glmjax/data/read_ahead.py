@@ -4,18 +4,30 @@
 to `depth` batches ready, each with the iterator's state after it. The consumer's state is the state after the last
 batch it took, so a checkpoint never includes what was only read ahead. The consumer waits in short slices and asks
 `interrupt()` in between: a caught SIGTERM / SIGINT ends the wait with `Interrupted` within a fraction of a second,
-whatever the thread is doing (reading a file that hangs, skipping bad records); the thread is a daemon and never
-joined after that. An error in the thread (a DataError) is raised in the consumer, at the batch it would have
-produced. `latest_state` is the thread's newest state: its counters include the batches read ahead.
+whatever the thread is doing (reading a file that hangs, skipping bad records). An error in the thread (a DataError)
+is raised in the consumer, at the batch it would have produced. `latest_state` is the thread's newest state: its
+counters include the batches read ahead.
+
+`close()` stops the thread and waits for it to finish the batch it is preparing (at most JOIN_S; a read that hangs
+longer is left behind, a daemon, with a warning), and every thread still running is closed so at interpreter exit
+(atexit). The thread must not outlive the interpreter's shutdown: a daemon thread inside C++ code that released the
+GIL (grain's index shuffle, the tokenizers) is ended by Python's finalization with pthread_exit, whose forced
+unwinding through a noexcept C++ frame calls std::terminate ("terminate called without an active exception",
+exit -6).
 """
 from __future__ import annotations
 
+import atexit
 import copy
 import queue
+import sys
 import threading
+import weakref
 from typing import Any, Callable
 
 POLL_S = 0.1  # how often a waiting consumer asks interrupt()
+JOIN_S = 30.0  # how long close() waits for the thread to finish the batch it is preparing
+_RUNNING: "weakref.WeakSet[ReadAhead]" = weakref.WeakSet()  # started and not closed: closed at exit
 
 
 class Interrupted(Exception):
@@ -40,6 +52,7 @@ class ReadAhead:
         self._thread = threading.Thread(target=self._fill, args=(self._queue, self._stop), name="glmjax-read-ahead",
                                         daemon=True)
         self._thread.start()
+        _RUNNING.add(self)
 
     def _fill(self, q: queue.Queue, stop: threading.Event) -> None:
         while not stop.is_set():
@@ -88,15 +101,27 @@ class ReadAhead:
     def set_state(self, state: dict[str, Any]) -> None:
         """Continue after `state`: what was read ahead is dropped (the thread is stopped, after the batch it is
         reading; a new one starts at the next `next`)."""
-        thread = self._thread
-        self.close()
-        if thread is not None:
-            thread.join()
+        self.close(timeout=None)
         self.it.set_state(copy.deepcopy(state))
         self.state = self.latest_state = copy.deepcopy(self.it.get_state())
 
-    def close(self) -> None:
-        """Stop the thread (it ends at its next batch; a thread blocked in a read is left behind: a daemon)."""
+    def close(self, timeout: float = JOIN_S) -> None:
+        """Stop the thread and wait (at most `timeout` s) until it has finished the batch it is preparing; a thread
+        still blocked after that (a read that hangs) is left behind, a daemon, with a warning."""
+        thread = self._thread
         if self._stop is not None:
             self._stop.set()
         self._queue = self._stop = self._thread = None
+        _RUNNING.discard(self)
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+            if thread.is_alive():
+                print(f"data: the read-ahead thread is still reading after {timeout:.0f} s (a read that hangs?); "
+                      "left behind", file=sys.stderr)
+
+
+@atexit.register
+def _close_all() -> None:
+    """At exit, before the interpreter's finalization ends daemon threads: no read-ahead thread still running."""
+    for r in list(_RUNNING):
+        r.close()

@@ -422,6 +422,7 @@ def iterate(run: StageRun, summary: dict, stop: dict, progress: bool, t0: float)
     except Exception as e:  # noqa: BLE001 -- re-raised below, after the checkpoints are closed
         failure = e
     finally:
+        run.data.close()  # the read-ahead thread ends here, not at interpreter exit (glmjax/data/read_ahead.py)
         try:
             run.ckpt.close()
         except Exception as e:  # noqa: BLE001 -- an asynchronous save that failed reports here
