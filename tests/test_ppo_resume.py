@@ -83,7 +83,7 @@ def test_fault_injection_kill9_resume_bitwise(ppo_reference, tmp_path):
     command resumed to the end: every step record (losses, rewards, KL, advantages, lr multiplier...) bitwise the
     uninterrupted run's. The documented run with more kills is in docs/benchmarks.md."""
     fault_injection(ppo_reference, tmp_path, 2, "all losses and rewards bitwise identical", "--stage", "ppo",
-                    "--seed", "3", "--max-kills-per-workdir", "2", f"--steps={STEPS}", f"--checkpoint-every={EVERY}")
+                    "--seed", "0", "--max-kills-per-workdir", "2", f"--steps={STEPS}", f"--checkpoint-every={EVERY}")
 
 
 @pytest.mark.slow

@@ -26,7 +26,7 @@ import weakref
 from typing import Any, Callable
 
 POLL_S = 0.1  # how often a waiting consumer asks interrupt()
-JOIN_S = 30.0  # how long close() waits for the thread to finish the batch it is preparing
+JOIN_S = 5.0  # how long close() waits for the thread to finish the batch it is preparing (a hung read: no longer)
 _RUNNING: "weakref.WeakSet[ReadAhead]" = weakref.WeakSet()  # started and not closed: closed at exit
 
 
