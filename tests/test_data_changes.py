@@ -5,6 +5,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 
@@ -71,6 +72,53 @@ def test_a_stalled_read_ahead_thread_never_holds_a_signal_back():
     assert time.perf_counter() - t < 2.0
     it.block.set()
     r.close()
+
+
+def test_close_waits_for_the_thread_a_hung_read_at_most_its_timeout(capfd):
+    r = ReadAhead(Counter(), depth=2)
+    assert next(r) == 0
+    thread = r._thread
+    r.close()
+    assert not thread.is_alive()  # joined: it finished the batch it was preparing
+    it = Counter()
+    r = ReadAhead(it, depth=2)
+    next(r)
+    it.block.clear()  # hangs in a read
+    time.sleep(0.3)
+    thread, t = r._thread, time.perf_counter()
+    r.close(timeout=0.5)
+    assert 0.4 < time.perf_counter() - t < 2.0 and thread.is_alive()
+    assert "read-ahead thread is still reading after 0.5 s" in capfd.readouterr().err  # warned, left behind
+    it.block.set()
+    thread.join(5)
+
+
+# A process that leaves a read-ahead thread running inside grain's C++ index shuffle (GIL released) and exits:
+# Python's finalization would end that daemon thread by pthread_exit -> std::terminate, exit -6 (every time, with
+# ~1 s batches); read_ahead's atexit closes it first.
+LEFT_RUNNING = """
+import sys, time
+from grain._src.python.experimental.index_shuffle.python import index_shuffle_module as m
+from glmjax.data.read_ahead import ReadAhead
+
+class Shuffles:
+    i = 0
+    def __next__(self):
+        self.i += 1
+        return sum(m.index_shuffle(j, max_index=10**9, seed=self.i, rounds=1000) for j in range(5000))
+    def get_state(self):
+        return {"i": self.i}
+
+ReadAhead(Shuffles(), 2).start()
+time.sleep(0.2)
+sys.exit(0)
+"""
+
+
+def test_a_read_ahead_thread_left_running_does_not_abort_the_exit():
+    for _ in range(3):
+        p = subprocess.run([sys.executable, "-c", LEFT_RUNNING], capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0 and "terminate called" not in p.stderr, p.stderr[-2000:]
 
 
 def write_jsonl(path, n, words=40, seed=0):

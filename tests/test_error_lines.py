@@ -17,7 +17,7 @@ from glmjax.interop import save_hf
 from glmjax.model import GLM
 from glmjax.train.checkpoint import Checkpoints
 from helpers import tiny
-from test_reliability import ROOT
+from test_reliability import FLAGS, ROOT
 from xla_flags import xla_flags
 
 
@@ -95,9 +95,13 @@ def test_a_damaged_checkpoint_is_one_line_and_exit_3_in_generate_and_hf(damaged,
 
 @pytest.mark.slow
 def test_train_py_init_from_a_damaged_checkpoint_and_eval_without_held_out_data(damaged, tmp_path):
-    common = ["--config=configs/tiny.py", "--config.train.steps=2", "--config.optim.warmup_steps=1"]
+    """The init_from errors come after set-up, whose train step compiles meanwhile (and is waited for): the
+    reference run's flags and the tests' compilation cache, so that it is one program compiled once (and no
+    more than once here), not three cold compiles."""
+    common, cache = FLAGS, f"--compilation_cache={os.environ.get('GLMJAX_CACHE_DIR', '')}"
     for kind in ("half", "tmp_only", "hf"):
-        rc, err = train_py(*common, f"--config.init_from={damaged[kind]}", f"--workdir={tmp_path / kind}")
+        rc, err = train_py(*common, f"--config.init_from={damaged[kind]}", f"--workdir={tmp_path / kind}",
+                           cache=cache)
         assert rc == 3, err[-3000:]
         one_line(err, "checkpoint error: ")
     rc, err = train_py(*common, "--config.train.eval_batches=2", "--config.data.eval_fraction=0.0",

@@ -92,15 +92,16 @@ def test_finished_stage_with_changed_config_stops(reference, tmp_path):
 
 @pytest.mark.slow
 def test_on_config_change_weights_archives_the_old_run_and_starts_from_its_weights(interrupted):
+    # the change: the data (a fingerprinted field that is not in the compiled step, so the reference's step serves)
     before = snapshot(interrupted)
-    rc, out = train(interrupted, "--config.optim.lr=0.001", "--config.train.on_config_change=weights")
+    rc, out = train(interrupted, "--config.data.max_docs=49", "--config.train.on_config_change=weights")
     assert rc == 0, out[-3000:]
     (archived,) = os.listdir(os.path.join(interrupted, "archive"))
     old = os.path.join(interrupted, "archive", archived)
     assert snapshot(old) == before  # the old run, intact
     assert f"init_from {old}: stage pretrain, step {STEPS}" in out
     assert sorted(losses(interrupted)) == list(range(1, STEPS + 1))  # a new run from step 1
-    rc, out = train(interrupted, "--config.optim.lr=0.001", "--config.train.on_config_change=weights")
+    rc, out = train(interrupted, "--config.data.max_docs=49", "--config.train.on_config_change=weights")
     assert rc == 0 and "already complete" in out  # rerunning the same command does not start over again
 
 

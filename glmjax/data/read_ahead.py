@@ -116,7 +116,7 @@ class ReadAhead:
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
             if thread.is_alive():
-                print(f"data: the read-ahead thread is still reading after {timeout:.0f} s (a read that hangs?); "
+                print(f"data: the read-ahead thread is still reading after {timeout:g} s (a read that hangs?); "
                       "left behind", file=sys.stderr)
 
 
