@@ -12,8 +12,8 @@ that step's checkpoint on disk. Never an abort (exit -6, "terminate called", "Fa
 Where the signal landed is read off the process itself, not guessed from timing: train.py runs under a small
 wrapper (WRAPPER) that wraps the handlers train.py installs for SIGTERM / SIGINT and prints the main thread's
 Python stack at the moment the handler ran; the row reports the phase that stack was in (set-up, step, save, eval).
-A case's trigger (which output or file to wait for, then a random delay of up to 0.3 s) makes its phase the likely one; the table shows
-how many of the signals landed there. Exits 1 if any launch ended otherwise than documented.
+A case's trigger (which output or file to wait for, then a random delay of up to 0.3 s) makes its phase the likely
+one; the table shows how many of the signals landed there. Exits 1 if any launch ended otherwise than documented.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ import collections
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -52,6 +53,8 @@ sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
+ENDINGS = (r"{sig}: (checkpoint written at step \d+; stopping|the next batch was not ready; (checkpoint at step \d+|"
+           r"no step trained since step \d+); stopping)")
 LM = ["--config=configs/tiny.py", "--config.train.seq_len=32", "--config.train.batch_size=2",
       "--config.train.log_every=1", "--config.optim.warmup_steps=2", "--config.data.max_docs=50"]
 CASES = {  # name -> (flags, trigger)
@@ -65,17 +68,20 @@ CASES = {  # name -> (flags, trigger)
     "ppo-setup": (PPO_FLAGS + ["--config.ppo.steps=6", "--config.ppo.checkpoint_every=100"], "config-json"),
     "ppo-step": (PPO_FLAGS + ["--config.ppo.steps=60", "--config.ppo.checkpoint_every=100"], "step-2"),
 }
-PHASES = [("supervised_warmup", "set-up"), ("initial_policy", "set-up"), ("save", "save"), ("evaluate", "eval"), ("one_step", "step"), ("step", "step"), ("setup", "set-up"),
-          ("restore", "set-up"), ("__init__", "set-up"), ("result", "set-up"), ("iterate", "step"), ("train", "set-up")]
 
 
 def phase(stack: str) -> str:
-    """The phase of a 'landed in' stack: the innermost of its frames that names one (PHASES, in priority order)."""
+    """The phase of a 'landed in' stack (function names, outermost first): a checkpoint save, an evaluation (PPO's
+    step-0 evaluation included), the step loop (LM: `iterate`; PPO: its `step`), else set-up."""
     names = stack.split(">")
-    for name, what in PHASES:
-        if name in names:
-            return what
-    return "other: " + ">".join(names[-3:])
+    if "save" in names:
+        return "save"
+    if "evaluate" in names:
+        return "eval"
+    ppo_loop = "train_ppo" in names and names[names.index("train_ppo") + 1:][:1] == ["step"]
+    if "iterate" in names or ppo_loop:
+        return "step"
+    return "set-up"
 
 
 def last_step(workdir: str) -> int:
@@ -95,7 +101,7 @@ def last_step(workdir: str) -> int:
 
 def one(case: str, signame: str, workdir: str, cache: str, rng: random.Random, timeout: float = 300) -> dict:
     flags, trigger = CASES[case]
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")  # the trigger lines as they are printed
     log_path = workdir + ".log"
     with open(log_path, "w") as log:
         p = subprocess.Popen([sys.executable, "-c", WRAPPER, "train.py", *flags, f"--workdir={workdir}",
@@ -126,22 +132,21 @@ def one(case: str, signame: str, workdir: str, cache: str, rng: random.Random, t
     stdout = "".join(out) + rest
     stderr = open(log_path).read()
     landed = [line.split("landed in ", 1)[1].strip() for line in stderr.splitlines() if "stop_paths: landed in" in line]
-    lines = [line for line in (stdout + stderr).splitlines() if line.strip() and not line.startswith("stop_paths:")]
+    lines = [x.strip() for x in (stdout + stderr).splitlines() if x.strip() and not x.startswith("stop_paths:")]
     sig = "SIG" + signame
     abort = p.returncode == -signal.SIGABRT or "terminate called" in stderr or "Fatal Python error" in stderr
-    if case == "lm-setup" and landed and phase(landed[0]) == "set-up":
-        ok_line = any(x.startswith(f"stopped: {sig} during set-up, before step 1: nothing new to checkpoint")
-                      for x in lines[-2:])
-    else:
-        ok_line = f"{sig}: checkpoint written at step" in stdout + stderr
-    step = last_step(workdir)
+    # the documented endings: before step 1 of an LM stage one line; after a step, that step's checkpoint named
+    ending = [x for x in lines if x.startswith(f"stopped: {sig} during set-up, before step 1: nothing new to "
+                                               "checkpoint") or re.match(ENDINGS.format(sig=sig), x)]
+    named = [int(m.group(1)) for x in ending for m in [re.search(r"(?:at|since) step (\d+)", x)] if m]
     written = sorted(int(d) for d in os.listdir(os.path.join(workdir, "checkpoints"))
                      if d.isdigit()) if os.path.isdir(os.path.join(workdir, "checkpoints")) else []
-    if "checkpoint written" in stdout + stderr:  # the step it names is on disk
-        ok_line = ok_line and step in written
+    step = last_step(workdir)
+    ok_line = len(ending) == 1 and all(n == step and (n in written or "no step trained" in ending[0]) for n in named)
     ok = p.returncode == 0 and ok_line and not abort and "Traceback" not in stdout + stderr
     return {"case": case, "signal": sig, "rc": p.returncode, "landed": phase(landed[0]) if landed else "none",
-            "stack": landed[0] if landed else "", "abort": abort, "ok": ok, "last_step": step, "s": round(time.time() - t0, 1),
+            "stack": landed[0] if landed else "", "abort": abort, "ok": ok, "last_step": step,
+            "s": round(time.time() - t0, 1),
             "tail": "" if ok else (stdout + stderr)[-1500:]}
 
 

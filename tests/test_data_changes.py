@@ -81,9 +81,9 @@ def test_close_waits_for_the_thread_a_hung_read_at_most_its_timeout(capfd):
     r.close()
     assert not thread.is_alive()  # joined: it finished the batch it was preparing
     it = Counter()
+    it.block.clear()  # the thread's first read hangs
     r = ReadAhead(it, depth=2)
-    next(r)
-    it.block.clear()  # hangs in a read
+    r.start()
     time.sleep(0.3)
     thread, t = r._thread, time.perf_counter()
     r.close(timeout=0.5)
@@ -95,7 +95,7 @@ def test_close_waits_for_the_thread_a_hung_read_at_most_its_timeout(capfd):
 
 # A process that leaves a read-ahead thread running inside grain's C++ index shuffle (GIL released) and exits:
 # Python's finalization would end that daemon thread by pthread_exit -> std::terminate, exit -6 (every time, with
-# ~1 s batches); read_ahead's atexit closes it first.
+# ~0.3 s batches); read_ahead's atexit stops it and waits for it first.
 LEFT_RUNNING = """
 import sys, time
 from grain._src.python.experimental.index_shuffle.python import index_shuffle_module as m
@@ -105,12 +105,12 @@ class Shuffles:
     i = 0
     def __next__(self):
         self.i += 1
-        return sum(m.index_shuffle(j, max_index=10**9, seed=self.i, rounds=1000) for j in range(5000))
+        return sum(m.index_shuffle(j, max_index=10**9, seed=self.i, rounds=1000) for j in range(2000))
     def get_state(self):
         return {"i": self.i}
 
 ReadAhead(Shuffles(), 2).start()
-time.sleep(0.2)
+time.sleep(0.1)
 sys.exit(0)
 """
 

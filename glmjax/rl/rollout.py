@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import queue
+import sys
 import threading
 from collections import defaultdict
 from typing import Callable, Sequence
@@ -263,5 +264,9 @@ class RolloutWorker:
                     raise RuntimeError("rollout worker stopped")
 
     def stop(self):
+        """Stop after the batch being generated and wait for it (at most 60 s): the thread runs JAX code, which must
+        not still be running when the interpreter shuts down (glmjax/data/read_ahead.py: an abort at exit)."""
         self.stopping.set()
         self.thread.join(timeout=60)
+        if self.thread.is_alive():
+            print("ppo: the rollout worker is still generating after 60 s; left behind", file=sys.stderr)

@@ -422,11 +422,11 @@ def iterate(run: StageRun, summary: dict, stop: dict, progress: bool, t0: float)
     except Exception as e:  # noqa: BLE001 -- re-raised below, after the checkpoints are closed
         failure = e
     finally:
-        run.data.close()  # the read-ahead thread ends here, not at interpreter exit (glmjax/data/read_ahead.py)
         try:
-            run.ckpt.close()
+            run.ckpt.close()  # first: a preempted run's checkpoint before anything else
         except Exception as e:  # noqa: BLE001 -- an asynchronous save that failed reports here
             failure = failure or e
+        run.data.close()  # the read-ahead thread ends here, not at interpreter exit (glmjax/data/read_ahead.py)
     if failure is not None:
         if disk_full(failure):
             good = intact_steps(run.ckpt.directory)
