@@ -115,10 +115,10 @@ class ReadAhead:
         thread, stop = self._thread, self._stop
         self._queue = self._stop = self._thread = None
         if thread is not None:
-            stop_and_wait(thread, stop, None if timeout is None else max(timeout, 3 * self._slowest))
+            _stop_and_wait(thread, stop, None if timeout is None else max(timeout, 3 * self._slowest))
 
 
-def stop_and_wait(thread: threading.Thread, stop: threading.Event, timeout: float | None) -> None:
+def _stop_and_wait(thread: threading.Thread, stop: threading.Event, timeout: float | None) -> None:
     """Tell `thread` to stop after its batch and wait for it (None: without a bound)."""
     stop.set()
     thread.join(timeout)
@@ -134,4 +134,4 @@ def _stop_all() -> None:
     """At exit, before the interpreter's finalization ends daemon threads: no read-ahead thread still running (one
     whose close() was cut short, or never called, included)."""
     for thread, stop in list(_ALIVE.items()):
-        stop_and_wait(thread, stop, JOIN_S)
+        _stop_and_wait(thread, stop, JOIN_S)
