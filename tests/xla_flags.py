@@ -1,11 +1,16 @@
-"""XLA's CPU backend without LLVM's optimisation for every test process (pytest's workers, train.py launches, the
-multi-host processes, the notebooks' kernels). Compiling dominates the suite's tiny programs: measured on
-test_model.py + test_pallas.py with a cold cache, 2 workers, 181 -> 134 s wall (321 -> 235 s user CPU); a cold
-10-step train.py run of configs/tiny.py 35.8 -> 23.0 s. The compiled code runs slower, so a test bound by running
-rather than compiling passes its own XLA_FLAGS (test_documented_demo_learns: 255 s with the default, 362 s with
-these; the other float stream of test_rl_e2e.py). The HLO passes are unchanged, so results agree with the default to
-float rounding (a train.py run's losses to 6 digits); processes whose numbers a test compares use the same flags."""
-FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+"""XLA's CPU backend without LLVM's optimisation, without the new fusion emitters and without the
+concurrency-optimised scheduler, for every test process (pytest's workers, train.py launches, the multi-host
+processes, the notebooks' kernels). Compiling dominates the suite's tiny programs: measured on test_model.py +
+test_pallas.py with a cold cache, 2 workers: XLA's defaults 181 s wall (321 s user CPU), without LLVM's optimisation
+134 s (235 s); the two fusion / scheduler flags on top of that 177 -> 127 s wall, 318 -> 221 s user CPU (one
+machine, one after the other, 2026-12-07); a cold 10-step train.py run of configs/tiny.py 35.8 -> 23.0 s without
+LLVM's optimisation. The compiled code runs slower (a 60-step train.py run of configs/tiny.py: about 10% slower
+per step with the two flags), so a test bound by running rather than compiling passes its own XLA_FLAGS
+(test_documented_demo_learns: 255 s with the default, 362 s without LLVM's optimisation; the other float stream of
+test_rl_e2e.py). The computation is the same, so results agree with the default to float rounding; processes whose
+numbers a test compares bitwise use the same flags."""
+FAST_COMPILE = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
+                "--xla_cpu_use_fusion_emitters=false --xla_cpu_enable_concurrency_optimized_scheduler=false")
 
 
 def xla_flags(devices: int | None = None) -> str:
