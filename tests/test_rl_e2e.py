@@ -192,8 +192,9 @@ SFT_START_PPO = """import ml_collections
 from configs import ppo_tiny
 
 
-def get_config():  # configs/ppo_tiny.py on the prompts file, from the SFT workdir, GRPO
+def get_config():  # configs/ppo_tiny.py with the SFT run's 2-layer model on the prompts file, from its workdir, GRPO
     c = ppo_tiny.get_config()
+    c.model.num_hidden_layers, c.model.indexer_types = 2, ("full", "shared")
     p = c.ppo
     p.task, p.task_args = "prompts", ml_collections.ConfigDict(dict(path={prompts!r}, fields=("answer",)))
     p.reward, p.init_checkpoint, p.sft_steps = "rl_tasks:exact_answer", {sft!r}, 0
@@ -209,9 +210,11 @@ def test_ppo_from_a_train_py_sft_checkpoint_improves_it(tmp_path):
     """Issue 41's path as a user runs it, on a task that is not in glmjax (bench/rl_tasks.py's rle: "rle:a3bc2=" ->
     "aaabcc", answers of 1-12 tokens): `train.py` stage sft on its JSONL (200 steps), then `train.py` stage ppo
     from that workdir with configs/ppo_tiny.py's settings, `ppo.task = "prompts"`, the reward by import path, GRPO,
-    100 steps. At the fixed actor lr (`ppo.step_kl_per_nat=None`, the default before it) RL made the SFT policy
-    worse: held-out greedy 0.375 -> 0.214, sampled 0.263 -> 0.225, training reward 0.30 -> 0.32 (2026-12-06). Under
-    the default it improves it: 0.375 -> 0.491, 0.263 -> 0.368, 0.33 -> 0.43 (2026-12-07, at 46c53aa)."""
+    100 steps; the model is configs/tiny.py's at 2 layers without MTP (as the in-process runs above; the 6-layer
+    model with MTP took 3.5x as long). Measured under the defaults (2026-12-07, seeds 0 and 1 of train.seed and
+    ppo.seed): held-out greedy 0.161 -> 0.304 and 0.491 -> 0.598, sampled 0.134 -> 0.259 and 0.350 -> 0.533,
+    training reward 0.14 -> 0.33 and 0.35 -> 0.60. At the fixed actor lr (`ppo.step_kl_per_nat=None`, the default
+    before it) RL made the 6-layer SFT policy worse: greedy 0.375 -> 0.214, sampled 0.263 -> 0.225 (2026-12-06)."""
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     from rl_tasks import write_task
 
@@ -228,16 +231,17 @@ def test_ppo_from_a_train_py_sft_checkpoint_improves_it(tmp_path):
     sft = tmp_path / "sft"
     train("--config=configs/tiny.py", f"--workdir={sft}", "--config.stage=sft", f"--config.data.path={paths['sft']}",
           "--config.data.prompt_field=prompt", "--config.data.response_field=response", "--config.train.steps=200",
-          "--config.train.eval_every=0", "--config.train.checkpoint_every=200")
+          "--config.train.eval_every=0", "--config.train.checkpoint_every=200", "--config.model.num_hidden_layers=2",
+          "--config.model.indexer_types=('full', 'shared')", "--config.model.num_nextn_predict_layers=0")
     (tmp_path / "ppo_rle.py").write_text(SFT_START_PPO.format(prompts=paths["prompts"], sft=str(sft)))
     train(f"--config={tmp_path / 'ppo_rle.py'}", f"--workdir={tmp_path / 'ppo'}")
     records = metrics(tmp_path / "ppo")
     (start, end), rows = [r for r in records if "eval_accuracy" in r], [r for r in records if "reward_mean" in r]
     reward = np.mean([r["reward_mean"] for r in rows[:10]]), np.mean([r["reward_mean"] for r in rows[-20:]])
     print(start, end, reward)
-    assert start["eval_accuracy"] >= 0.25  # the SFT policy solves part of the task: room, and something to keep
-    # margins between the default's gains (+0.12 greedy, +0.10 sampled, +0.11 reward) and the fixed lr's (-0.16,
-    # -0.04, +0.01)
+    assert start["eval_accuracy"] >= 0.1  # the SFT policy solves part of the task: room, and something to keep
+    # margins below the default's gains (seeds 0 and 1: +0.14 and +0.11 greedy, +0.13 and +0.18 sampled, +0.19 and
+    # +0.25 reward), above the fixed lr's (-0.16, -0.04, +0.01)
     assert end["eval_accuracy"] >= start["eval_accuracy"] + 0.05
     assert end["eval_sampled_accuracy"] >= start["eval_sampled_accuracy"] + 0.05
     assert reward[1] >= reward[0] + 0.07
