@@ -10,7 +10,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from xla_flags import xla_flags  # noqa: E402
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("XLA_FLAGS", xla_flags(devices=8))
+os.environ.setdefault("XLA_FLAGS", xla_flags(devices=8, worker=True))
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
