@@ -132,8 +132,8 @@ def test_ppo_learns_with_another_float_stream(tmp_path):
     GLMJAX_E2E_SEEDS=0,1,2 runs the three seeds of docs/ppo.md's table in both streams."""
     seeds = tuple(int(s) for s in os.environ.get("GLMJAX_E2E_SEEDS", "2").split(","))
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1 --xla_cpu_multi_thread_eigen=false",
-           "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join([ROOT] + os.environ.get("PYTHONPATH", "").split(
-               os.pathsep)).rstrip(os.pathsep)}  # this checkout's glmjax, installed or not
+           "JAX_PLATFORMS": "cpu",  # this checkout's glmjax, installed or not
+           "PYTHONPATH": os.pathsep.join([ROOT] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))}
     out = tmp_path / "runs.json"
     cmd = [sys.executable, os.path.abspath(__file__), str(out), str(tmp_path), *map(str, seeds)]
     if shutil.which("taskset"):
