@@ -71,6 +71,7 @@ def launch(workdir: str, args) -> subprocess.Popen:
     log.write(f"\n=== launch {time.strftime('%H:%M:%S')}\n")
     log.flush()
     return subprocess.Popen([sys.executable, "train.py", *flags(args.stage, args.steps, args.checkpoint_every),
+                             *args.set,
                              f"--workdir={workdir}", f"--compilation_cache={args.cache}"],
                             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
 
@@ -161,6 +162,8 @@ def main(argv=None) -> int:
                     help="JAX compilation cache directory")
     ap.add_argument("--xla-flags", default="", help="XLA_FLAGS of every launch (a reused --reference must have had "
                     "the same: they change the float rounding)")
+    ap.add_argument("--set", action="append", default=[], metavar="--config.FIELD=VALUE",
+                    help="a further flag of every launch (the reference's too), e.g. a smaller model")
     ap.add_argument("--timeout", type=float, default=600, help="seconds a launch may run")
     ap.add_argument("--keep", action="store_true", help="keep the workdirs of runs that matched")
     args = ap.parse_args(argv)

@@ -335,10 +335,10 @@ def test_unusable_workdir_ends_in_one_named_line(tmp_path, kind):
 
 @pytest.fixture
 def tmpfs(tmp_path):
-    """A 48 MiB tmpfs: one checkpoint of the tiny run (~34 MiB: model + Adam state) fits, a second does not."""
+    """A 20 MiB tmpfs: one checkpoint of the 2-layer tiny run (~14 MiB: model + Adam state) fits, a second does not."""
     path = tmp_path / "small_disk"
     path.mkdir()
-    p = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(path)], capture_output=True, text=True)
+    p = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", str(path)], capture_output=True, text=True)
     if p.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs (needs root): {(p.stderr or p.stdout).strip()}")
     try:
