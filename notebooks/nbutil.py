@@ -1,7 +1,8 @@
 """Shared by the notebooks: runtime detection, the size presets of the GLM-5 DSA recipe, and small readers.
 
 Sizes (the notebooks' SIZE parameter; "auto" picks "large" on a TPU or GPU runtime, else "cpu"):
-  "ci"     4 layers, no MTP, a handful of steps per stage: seconds of training, what the tests run
+  "ci"     2 layers, no MTP, a handful of steps per stage: seconds of training, what the tests run (1/4 of the
+           indexers is then 1/2)
   "cpu"    the tiny recipe (configs/recipe_tiny.py) with 8 layers: minutes on a 2-core Colab CPU
   "large"  a ~0.1B-parameter model at sequence 1024 on a TPU (or GPU) runtime, batch split over all chips
 
@@ -63,7 +64,7 @@ def recipe_config(size: str, steps: int | None = None) -> ml_collections.ConfigD
     from configs import recipe_tiny
 
     c = recipe_tiny.get_config()
-    layers = 4 if size == "ci" else 8
+    layers = 2 if size == "ci" else 8
     c.model.update(num_hidden_layers=layers, indexer_types=patterns(layers)["1"])
     if size == "ci":
         c.model.update(first_k_dense_replace=0, num_nextn_predict_layers=0)

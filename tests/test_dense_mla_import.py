@@ -201,7 +201,8 @@ def test_walkthrough_import_recipe_export_loads_in_transformers(v3, tokens, tmp_
     ckpt, runs, out = (str(tmp_path / n) for n in ("ckpt", "runs", "dsv32"))
     sets = [a for kv in ("index_n_heads=32", "index_head_dim=32", "index_topk=8") for a in ("--set", kv)]
     assert hf(["import", src, ckpt, *sets, "--compilation-cache", ""]) == 0
-    p = launch(runs, "--config.stages.dense_warmup.train.steps=6", "--config.stages.sparse_adapt.train.steps=6",
+    p = launch(runs, "--config.train.seq_len=32", "--config.train.batch_size=2", "--config.train.eval_batches=0",
+               "--config.stages.dense_warmup.train.steps=6", "--config.stages.sparse_adapt.train.steps=6",
                "--config.stages.indexshare.train.steps=6", "--config.data.max_docs=50",
                "--config.recipe=('dense_warmup', 'sparse_adapt', 'indexshare')",
                flags=[f"--config={os.path.join(ROOT, 'configs', 'dsa_from_dense.py')}:{ckpt}"])
