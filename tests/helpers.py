@@ -15,6 +15,7 @@ from configs import tiny as tiny_config_file  # noqa: E402
 # configs/tiny.py's model with the tests' delta: docs/model.md A.5's top-8 (the tests' sequences are short) and small
 # query / loss chunks, so that blocking and chunking run over several blocks.
 TINY = {**tiny_config_file.get_config().model.to_dict(), "index_topk": 8, "block_q": 16, "loss_chunk": 20}
+TWO_LAYERS = dict(num_hidden_layers=2, indexer_types=("full", "shared"))  # a dense + an MoE layer
 
 
 def tiny(**kw) -> ModelConfig:

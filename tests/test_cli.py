@@ -18,7 +18,7 @@ from glmjax.data.hf_tokenizer import HFTokenizer
 from glmjax.data.tokenizer import ByteTokenizer
 from glmjax.infer import Decoder, generate
 from glmjax.model import GLM
-from helpers import tiny
+from helpers import TWO_LAYERS, tiny
 from hf_tokenizer_fixture import write_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -59,7 +59,7 @@ def run_cli(argv, capsys):
 @pytest.mark.slow
 @pytest.mark.parametrize("tok", ["byte", "hf_chat"])
 def test_generate_matches_generate_called_directly(tmp_path, capsys, tok):
-    model = GLM(tiny(vocab_size=259 if tok == "byte" else 600, num_nextn_predict_layers=0), nnx.Rngs(4))
+    model = GLM(tiny(vocab_size=259 if tok == "byte" else 600, num_nextn_predict_layers=0, **TWO_LAYERS), nnx.Rngs(4))
     ckpt = imported_checkpoint(model, str(tmp_path / "ck"))
     if tok == "byte":
         tokenizer, flags = ByteTokenizer(), []
@@ -83,7 +83,7 @@ def test_generate_matches_generate_called_directly(tmp_path, capsys, tok):
 def test_generate_speculative_prints_plain_greedy(tmp_path, capsys):
     """--speculative 2 drafts with the model's MTP layer: the same ids as plain greedy decoding; a model without an
     MTP layer is refused in one line."""
-    model = GLM(tiny(vocab_size=259), nnx.Rngs(4))
+    model = GLM(tiny(vocab_size=259, **TWO_LAYERS), nnx.Rngs(4))
     ckpt = imported_checkpoint(model, str(tmp_path / "ck"))
     tokenizer = ByteTokenizer()
     ids = tokenizer.encode("The sparse indexer", eos=False).tolist()
@@ -92,7 +92,7 @@ def test_generate_speculative_prints_plain_greedy(tmp_path, capsys):
     argv = ["--checkpoint", ckpt, "--prompt", "The sparse indexer", "--max-new-tokens", "8", "--ids"]
     _, got = run_cli(argv + ["--speculative", "2"], capsys)
     assert got == ref.tokens[0, :ref.lengths[0]].tolist()
-    plain = imported_checkpoint(GLM(tiny(vocab_size=259, num_nextn_predict_layers=0), nnx.Rngs(4)),
+    plain = imported_checkpoint(GLM(tiny(vocab_size=259, num_nextn_predict_layers=0, **TWO_LAYERS), nnx.Rngs(4)),
                                 str(tmp_path / "plain"))
     assert gen_cli.main(["--checkpoint", plain, "--prompt", "x", "--speculative", "2"]) == 2
     err = capsys.readouterr().err.strip()
@@ -123,7 +123,8 @@ def test_train_py_on_cpu_starts_clean_and_reruns_from_the_compilation_cache(tmp_
     env["GLMJAX_CACHE_DIR"] = cache = str(tmp_path / "cache")
     flags = ["--config=configs/tiny.py", "--config.train.steps=2", "--config.train.seq_len=32",
              "--config.train.batch_size=2", "--config.train.eval_batches=0", "--config.data.max_docs=20",
-             "--config.optim.warmup_steps=1", "--config.model.num_nextn_predict_layers=0"]  # no MTP: less to compile
+             "--config.optim.warmup_steps=1", "--config.model.num_nextn_predict_layers=0",  # less to compile: no MTP,
+             "--config.model.num_hidden_layers=2", "--config.model.indexer_types=('full', 'shared')"]  # 2 layers
 
     def train(name, log_compiles=False):
         p = subprocess.run([sys.executable, "train.py", *flags, f"--workdir={tmp_path / name}"], cwd=ROOT,
