@@ -163,7 +163,8 @@ def main(argv=None) -> int:
     ap.add_argument("--xla-flags", default="", help="XLA_FLAGS of every launch (a reused --reference must have had "
                     "the same: they change the float rounding)")
     ap.add_argument("--set", action="append", default=[], metavar="--config.FIELD=VALUE",
-                    help="a further flag of every launch (the reference's too), e.g. a smaller model")
+                    help="a further flag of every launch (the reference's too), e.g. a smaller model; written "
+                    "--set=--config.FIELD=VALUE (with '=': the value starts with --)")
     ap.add_argument("--timeout", type=float, default=600, help="seconds a launch may run")
     ap.add_argument("--keep", action="store_true", help="keep the workdirs of runs that matched")
     args = ap.parse_args(argv)

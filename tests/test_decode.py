@@ -7,12 +7,12 @@ from flax import nnx
 
 from glmjax.infer import Decoder, generate, sample
 from glmjax.model import GLM, Batch
-from helpers import tiny
+from helpers import THREE_LAYERS, tiny
 
 
 @pytest.fixture(scope="module")
 def model():
-    return GLM(tiny(), nnx.Rngs(11))  # F F S S F S, index_topk 8
+    return GLM(tiny(**THREE_LAYERS), nnx.Rngs(11))  # F F S, index_topk 8
 
 
 def full_logits(model, seq, mode, pad_to=None):
@@ -60,8 +60,8 @@ def test_decode_steps_reproduce_the_full_forward(model, mode):
 
 def test_cache_layout_keeps_no_indexer_cache_on_shared_layers(model):
     caches = Decoder(model, "sparse").init_cache(3, 16)
-    # units: [F] [F S S] [F S]
-    assert [sorted(c) for c in caches[1]] == [["index_k", "latent"], ["latent"], ["latent"]]
+    # units: [F] [F S]
+    assert [sorted(c) for c in caches[1]] == [["index_k", "latent"], ["latent"]]
     cfg = model.cfg
     assert caches[0][0]["latent"].shape == (1, 3, 16, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
     assert caches[0][0]["index_k"].shape == (1, 3, 16, cfg.index_head_dim)

@@ -8,12 +8,7 @@ from flax import nnx
 from glmjax.model import GLM, Batch, plan_stacks
 from glmjax.model.backends import XLA
 from glmjax.model.transformer import shifted_targets, token_nll
-from helpers import batch_from_docs, jit_once, random_batch, tiny
-
-
-# Every kind of layer and parameter in two stacks instead of tiny()'s three (a dense-MLP full layer, then a MoE full
-# layer and the shared layer after it, the MTP layer): compiles in about half of tiny()'s time
-THREE_LAYERS = dict(num_hidden_layers=3, indexer_types=("full", "full", "shared"))
+from helpers import THREE_LAYERS, batch_from_docs, jit_once, random_batch, tiny
 
 
 @pytest.fixture(scope="module")

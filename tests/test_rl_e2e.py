@@ -61,8 +61,9 @@ def metrics(workdir):
 
 # The suite runs seed 2 in the one-thread float stream; the in-process runs are for docs/ppo.md's table
 # (GLMJAX_E2E_SEEDS=0,1,2 runs those seeds in both streams: six runs). The suite's second PPO run is the README's
-# demo with this model (test_documented_demo_learns: another seed, train.py's built-in warm-up, 150 steps, the same
-# task), which also carries this test's checks of the critic, the log-prob alignment and the asynchronous lag.
+# demo at 2 layers and 8 experts (test_documented_demo_learns: another seed, train.py's built-in warm-up, 100 steps,
+# the same task), which also carries this test's checks of the critic, the log-prob alignment and the asynchronous
+# lag.
 SEEDS = tuple(int(s) for s in os.environ.get("GLMJAX_E2E_SEEDS", "").split(",") if s)
 ACTOR_LR = 2e-4
 LEARNING = dict(task_args={"low": 0, "high": 9, "ops": "+", "max_result": 9}, heldout_fraction=0.3, steps=100,
@@ -159,8 +160,8 @@ DEMO_STEPS = 100  # the README demo's 150 PPO steps, shortened (margins measured
 @pytest.mark.timeout(900)
 def test_documented_demo_learns(tmp_path):
     """The README's `python train.py --config=configs/ppo_tiny.py --workdir=...`, as a user runs it (a process of its
-    own with XLA's default compiler: this run is bound by running, not compiling), with the model of the runs above
-    (2 layers, 8 experts) and 100 PPO steps instead of 150 (35 s from the compilation cache, against 255 s for the
+    own with XLA's default compiler: this run is bound by running, not compiling), with the model at 2 layers and 8
+    experts and 100 PPO steps instead of 150 (35 s from the compilation cache, against 255 s for the
     README's 6-layer model at 150): after its built-in supervised warm-up it raises the held-out sampled solve rate
     by >= 0.10 and the training reward by >= 0.15, held-out greedy accuracy within one of its 17 problems (the
     README's statement), with a critic that explains part of the return's variance; the trainer reproduces the
