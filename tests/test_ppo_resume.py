@@ -81,8 +81,7 @@ def test_reference_run_is_complete_and_learns(ppo_reference):
 def test_fault_injection_kill9_resume_bitwise(ppo_reference, tmp_path):
     """A kill -9 at a seeded random moment (mid-step, mid-checkpoint-write or mid-eval), the same command resumed to
     the end: every step record (losses, rewards, KL, advantages, lr multiplier...) bitwise the uninterrupted run's.
-    A resumed run killed again: test_reliability.py's kill test; the documented run with 8 kills, 1-3 per workdir,
-    is in docs/benchmarks.md."""
+    The documented run with 8 kills, 1-3 per workdir, is in docs/benchmarks.md."""
     fault_injection(ppo_reference, tmp_path, 1, "all losses and rewards bitwise identical", "--stage", "ppo",
                     "--seed", "0", "--max-kills-per-workdir", "1", f"--steps={STEPS}", f"--checkpoint-every={EVERY}")
 
