@@ -54,11 +54,10 @@ def flags(stage: str, steps: int, every: int) -> list[str]:
 # from the restored weights, not the previous version's: not bitwise); 2 epochs x 2 mini-batches exercise the
 # mini-batch RNG, a critic warm-up step both learners' states; the supervised warm-up is long enough that rewards
 # (and so advantages and gradients) are not all 0; the model at 2 layers and 8 experts (a launch takes half the time
-# of the 6-layer one's, cold or from the compilation cache)
-PPO_FLAGS = ["--config=configs/ppo_tiny.py", "--config.model.num_hidden_layers=2",
-             "--config.model.indexer_types=('full', 'shared')", "--config.model.n_routed_experts=8",
-             "--config.model.num_experts_per_tok=2", "--config.ppo.sft_steps=30", "--config.ppo.sft_batch_size=32",
-             "--config.ppo.prompts_per_step=4",
+# of the 6-layer one's, cold or from the compilation cache; the tests' small PPO model)
+SMALL_PPO_MODEL = dict(num_hidden_layers=2, indexer_types=("full", "shared"), n_routed_experts=8, num_experts_per_tok=2)
+PPO_FLAGS = ["--config=configs/ppo_tiny.py", *(f"--config.model.{k}={v}" for k, v in SMALL_PPO_MODEL.items()),
+             "--config.ppo.sft_steps=30", "--config.ppo.sft_batch_size=32", "--config.ppo.prompts_per_step=4",
              "--config.ppo.group_size=2", "--config.ppo.eval_every=0", "--config.ppo.eval_problems=8",
              "--config.ppo.eval_samples=1", "--config.ppo.async_rollout=False", "--config.ppo.critic_warmup_steps=1",
              "--config.ppo.log_every=1", "--config.optim.warmup_steps=4"]

@@ -133,6 +133,7 @@ def test_a_ppo_step_runs_on_compacted_episodes(tmp_path, monkeypatch):
     demonstrations (a call, its output, the answer), a 16-token budget that the call and its output overflow, and a
     user rule (the task and the end of the last output): episodes go on in a second sub-trajectory, GAE runs along
     them, the steps train and log sub-trajectories per episode."""
+    from bench.fault_injection import SMALL_PPO_MODEL
     from configs import ppo_tiny
     from glmjax.launch import run
 
@@ -140,8 +141,7 @@ def test_a_ppo_step_runs_on_compacted_episodes(tmp_path, monkeypatch):
         "def last_output(prompt, turns, text):\n    return list(prompt) + list(turns[-1][1])[-3:]\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     c = ppo_tiny.get_config()
-    c.model.update(num_hidden_layers=2, indexer_types=("full", "shared"), n_routed_experts=8,
-                   num_experts_per_tok=2)  # bench/fault_injection.py's PPO_FLAGS' model: a fifth of the compile time
+    c.model.update(SMALL_PPO_MODEL)  # bench/fault_injection.py's PPO_FLAGS' model: a fifth of the compile time
     c.ppo.update(env="tool", sft_script="calc", sft_steps=30, sft_batch_size=32, prompts_per_step=4, group_size=2,
                  steps=3, critic_warmup_steps=1, async_rollout=False, eval_every=0, eval_problems=8, eval_samples=1,
                  max_prompt_len=12, max_response_len=16, context_budget=16, compaction_headroom=4,

@@ -27,10 +27,10 @@ from helpers import TINY
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from bench.fault_injection import SMALL_PPO_MODEL  # noqa: E402
 from configs import ppo_tiny  # noqa: E402
 
-MODEL = {**TINY, "num_hidden_layers": 2, "indexer_types": ("full", "shared"), "n_routed_experts": 8,
-         "num_experts_per_tok": 2, "num_nextn_predict_layers": 0, "block_q": 256, "loss_chunk": 512}
+MODEL = {**TINY, **SMALL_PPO_MODEL, "num_nextn_predict_layers": 0, "block_q": 256, "loss_chunk": 512}
 
 
 def make_config(model=None, **ppo):
@@ -170,8 +170,7 @@ def test_documented_demo_learns(tmp_path):
     and 0.57 -> 0.84, explained variance 0.34 and 0.11 (at 150 steps: sampled +0.21 and +0.18). The 6-layer demo's
     curves over 3 seeds: bench/ppo_curves.py, docs/ppo.md."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the compilation cache: $GLMJAX_CACHE_DIR
-    model = [f"--config.model.{k}={v}" for k, v in MODEL.items()
-             if k in ("num_hidden_layers", "indexer_types", "n_routed_experts", "num_experts_per_tok")]
+    model = [f"--config.model.{k}={v}" for k, v in SMALL_PPO_MODEL.items()]
     p = subprocess.run([sys.executable, "train.py", "--config=configs/ppo_tiny.py", f"--workdir={tmp_path}", *model,
                         f"--config.ppo.steps={DEMO_STEPS}", "--config.ppo.eval_every=0"],  # evaluations: first, last
                        cwd=ROOT, env={**env, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=850)
