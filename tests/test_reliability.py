@@ -25,7 +25,7 @@ from xla_flags import xla_flags  # noqa: E402
 
 STEPS = 10
 # configs/tiny.py at 2 layers (a dense layer with its own indexer, an MoE layer that shares its top-k, and the MTP
-# layer): a launch takes 6 s instead of 9 from the compilation cache, 8 instead of 21 cold
+# layer): a launch took about 6 s instead of 9 from the compilation cache, 8 instead of 21 cold (docs/benchmarks.md)
 SMALL = ["--config.model.num_hidden_layers=2", "--config.model.indexer_types=('full', 'shared')"]
 FLAGS = ["--config=configs/tiny.py", *SMALL, "--config.train.steps=10", "--config.train.seq_len=32",
          "--config.train.batch_size=2", "--config.train.log_every=1", "--config.train.eval_batches=0",
