@@ -31,7 +31,7 @@ def free_port() -> int:
 @pytest.mark.slow
 def test_two_processes_train_checkpoint_restore_and_match_single_process(tmp_path):
     port, out = free_port(), str(tmp_path / "losses.json")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(devices=4)}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(devices=4, worker=True)}
     procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "sharded_training.py"), str(i), "2", str(port),
                                str(tmp_path / "ckpt"), out], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for i in range(2)]
