@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from glmjax.cli import eval as eval_cli
 from glmjax.cli import generate as gen_cli
 from glmjax.cli import hf as hf_cli
 from glmjax.data.chat import ChatTemplate
@@ -31,7 +32,7 @@ def test_train_help_exits_0():
         assert "resumes from the newest checkpoint" in out.stdout and "--workdir" in out.stdout
 
 
-@pytest.mark.parametrize("main", [hf_cli.main, gen_cli.main])
+@pytest.mark.parametrize("main", [hf_cli.main, gen_cli.main, eval_cli.main])
 def test_help_exits_0(main, capsys):
     with pytest.raises(SystemExit) as e:
         main(["--help"])

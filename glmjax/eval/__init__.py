@@ -1,0 +1,1 @@
+"""Evaluation: long-context retrieval tasks (retrieval.py)."""
