@@ -71,6 +71,20 @@ def test_niah_vt_and_the_split_pools():
         make_example("nope", 500, 0.5, rng)
 
 
+def test_training_documents_are_whole_examples_of_the_train_pool(tmp_path):
+    path = retrieval.training_file(("passkey", "vt"), 20, (256, 512), 3, "prompt_response", str(tmp_path))
+    rows = [json.loads(line) for line in open(path)]
+    assert len(rows) == 20 and all(set(r) == {"prompt", "response"} for r in rows)
+    for i, r in enumerate(rows):
+        assert max(256, min_length(("passkey", "vt")[i % 2])) <= len(r["prompt"].encode()) <= 512
+        assert all(retrieval.in_pool(a, "train") for a in r["response"].strip(" .").split(", "))
+    mtime = os.path.getmtime(path)
+    assert retrieval.training_file(("passkey", "vt"), 20, (256, 512), 3, "prompt_response", str(tmp_path)) == path
+    assert os.path.getmtime(path) == mtime and os.listdir(tmp_path) == [os.path.basename(path)]  # written once
+    text = retrieval.write_jsonl(str(tmp_path / "t.jsonl"), ["passkey"], 3, (300, 300), 0)
+    assert text == 307 and all(len(json.loads(x)["text"]) == 307 for x in open(tmp_path / "t.jsonl"))  # + " 12345."
+
+
 def test_string_match_is_rulers():
     assert string_match_all(" 12345. The pass", ["12345"]) == 1.0
     assert string_match_all(" 1234", ["12345"]) == 0.0

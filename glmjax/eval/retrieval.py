@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import zlib
 
 import numpy as np
@@ -181,3 +182,19 @@ def write_jsonl(path: str, tasks, n: int, lengths: tuple[int, int], seed: int, s
             f.write(json.dumps(row) + "\n")
             longest = max(longest, len((e.prompt + e.response).encode()))
     return longest
+
+
+def training_file(tasks, n: int, lengths: tuple[int, int], seed: int, fields: str = "text",
+                  directory: str | None = None) -> str:
+    """The path of `write_jsonl`'s file for these arguments, written on first use (whole or not at all) into
+    `directory` (default $GLMJAX_DATA_DIR, else ~/.cache/glmjax/data): configs name generated data by what it is."""
+    directory = directory or os.environ.get("GLMJAX_DATA_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "glmjax", "data")
+    name = f"retrieval_{'+'.join(tasks)}_{n}_{lengths[0]}-{lengths[1]}_seed{seed}_{fields}.jsonl"
+    path = os.path.join(directory, name)
+    if not os.path.exists(path):
+        os.makedirs(directory, exist_ok=True)
+        partial = f"{path}.{os.getpid()}.partial"
+        write_jsonl(partial, tasks, n, lengths, seed, "train", fields)
+        os.replace(partial, path)
+    return path
