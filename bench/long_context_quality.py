@@ -3,6 +3,7 @@ Table 6 in miniature (the GLM-5 report: RULER of a warmup-only variant, which tr
 
     python bench/long_context_quality.py --workdir runs/retrieval [--lengths 512 1024 2048 4096] [--samples 8]
     python bench/long_context_quality.py --workdir runs/retrieval --reuse      # evaluate existing stages only
+    python bench/long_context_quality.py --workdir runs/retrieval_s1 --set=--config.train.seed=1   # another seed
 
 Trains configs/recipe_retrieval.py with train.py (the user's path; a finished stage is skipped, an interrupted one
 resumes), then evaluates each row on the test prompts of glmjax/eval/retrieval.py (RULER's synthetic tasks as bytes,
@@ -35,10 +36,10 @@ ROWS = (("dense", "pretrain", "dense"), ("warmup-only", "dense_warmup", "sparse"
         ("full DSA", "sparse_adapt", "sparse"), ("IndexShare", "indexshare", "sparse"))
 
 
-def train(workdir: str, extra: list[str]) -> None:
+def train(workdir: str, extra: list[str]) -> int:
     cmd = [sys.executable, "train.py", "--config=configs/recipe_retrieval.py", f"--workdir={workdir}", *extra]
     print("+", " ".join(cmd), flush=True)
-    subprocess.run(cmd, cwd=ROOT, check=True)
+    return subprocess.run(cmd, cwd=ROOT).returncode
 
 
 def table(rows: dict, lengths, tasks) -> str:
@@ -87,11 +88,13 @@ def main(argv=None) -> int:
     ap.add_argument("--depths", nargs="+", type=float, default=[0.0, 0.25, 0.5, 0.75, 1.0])
     ap.add_argument("--samples", type=int, default=8, help="test prompts per task x length x depth")
     ap.add_argument("--reuse", action="store_true", help="evaluate the stages already trained, train nothing")
-    ap.add_argument("--set", nargs="*", default=[], help="extra train.py flags, e.g. --config.train.seed=1")
+    ap.add_argument("--set", action="append", default=[], metavar="FLAG",
+                    help="an extra train.py flag, repeatable: --set=--config.train.seed=1")
     args = ap.parse_args(argv)
     t0, load0 = time.time(), os.getloadavg()[0]
-    if not args.reuse:
-        train(args.workdir, args.set)
+    if not args.reuse and (rc := train(args.workdir, args.set)):
+        print(f"train.py exited {rc}: nothing evaluated", file=sys.stderr)
+        return rc
     trained = time.time() - t0
 
     from glmjax.cli.runtime import configure_jax
