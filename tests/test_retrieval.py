@@ -62,8 +62,9 @@ def test_niah_vt_and_the_split_pools():
     assert v.response == " " + ", ".join(names) + "."
 
     for task in retrieval.TASKS:  # no answer of one split in the other, whatever the seeds
-        train = {a for x in retrieval.examples(task, 150, [min_length(task) + 50], [0.5], 7, "train") for a in x.answers}
-        test = {a for x in retrieval.examples(task, 150, [min_length(task) + 50], [0.5], 8, "test") for a in x.answers}
+        length = [min_length(task) + 50]
+        train = {a for x in retrieval.examples(task, 150, length, [0.5], 7, "train") for a in x.answers}
+        test = {a for x in retrieval.examples(task, 150, length, [0.5], 8, "test") for a in x.answers}
         assert train and test and not train & test, task
     with pytest.raises(ValueError, match="needs at least 252 bytes"):
         make_example("passkey", 200, 0.5, rng)

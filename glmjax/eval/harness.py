@@ -50,7 +50,8 @@ def evaluate(model: GLM, tasks=TASKS, lengths=(1024, 2048, 4096), depths=(0.0, 0
     full = full_layers(model)
     out = {"tasks": list(tasks), "lengths": list(lengths), "depths": list(depths), "samples": samples,
            "modes": list(modes), "seed": seed, "index_topk": model.cfg.index_topk, "full_layers": full,
-           "accuracy": {m: {t: {} for t in tasks} for m in modes}, "by_depth": {m: {t: {} for t in tasks} for m in modes},
+           "accuracy": {m: {t: {} for t in tasks} for m in modes},
+           "by_depth": {m: {t: {} for t in tasks} for m in modes},
            "needle_recall": {f"layer {i}": {t: {} for t in tasks} for i in full}}
     bar = tqdm(total=len(tasks) * len(lengths), desc="retrieval", unit="cell", disable=not progress, dynamic_ncols=True)
     for t in tasks:

@@ -92,7 +92,7 @@ def task_parts(task: str, rng: np.random.Generator, split: str):
         keys = [draw(rng, word, split)]
         for _ in range(MULTIKEY_DISTRACTORS if task == "niah_multikey" else 0):
             keys.append(draw(rng, word, "train", exclude=keys))  # distractors: never asked
-        values = [draw(rng, digits(7), split)] + [digits(7)(rng) for _ in keys[1:]]
+        values = [draw(rng, digits(7), split)] + [draw(rng, digits(7), "train") for _ in keys[1:]]
         needles = [f"One of the special magic numbers for {k} is: {v}. " for k, v in zip(keys, values)]
         question = (f"\nWhat are all the special magic numbers for {keys[0]} mentioned in the provided text? "
                     f"The special magic numbers for {keys[0]} mentioned in the provided text are")
