@@ -28,6 +28,7 @@ import zlib
 import numpy as np
 
 TASKS = ("passkey", "niah_single", "niah_multikey", "vt")
+VERSION = 1  # of the generated text: part of training_file's name (raise it when a template or a draw changes)
 SPLITS = ("train", "test")
 TEST_SHARE = 8  # one answer string in 8 belongs to the test pool
 
@@ -150,9 +151,9 @@ def make_example(task: str, length: int, depth: float, rng: np.random.Generator,
     return Example(task, prompt, response, answers, tuple(spans[:needed]), length, depth)
 
 
-def examples(task: str, n: int, lengths, depths, seed: int, split: str = "train") -> list[Example]:
+def examples(task: str, n: int, lengths, depths, seed, split: str = "train") -> list[Example]:
     """n examples, the i-th of lengths[i % len(lengths)] bytes at depths[(i // len(lengths)) % len(depths)] (a grid
-    swept in order); the strings from `seed`."""
+    swept in order); the strings from `seed` (an int or a sequence of ints, as numpy's default_rng takes)."""
     rng = np.random.default_rng(seed)
     return [make_example(task, int(lengths[i % len(lengths)]), float(depths[(i // len(lengths)) % len(depths)]),
                          rng, split) for i in range(n)]
@@ -190,7 +191,7 @@ def training_file(tasks, n: int, lengths: tuple[int, int], seed: int, fields: st
     `directory` (default $GLMJAX_DATA_DIR, else ~/.cache/glmjax/data): configs name generated data by what it is."""
     directory = directory or os.environ.get("GLMJAX_DATA_DIR") or os.path.join(
         os.path.expanduser("~"), ".cache", "glmjax", "data")
-    name = f"retrieval_{'+'.join(tasks)}_{n}_{lengths[0]}-{lengths[1]}_seed{seed}_{fields}.jsonl"
+    name = f"retrieval-v{VERSION}_{'+'.join(tasks)}_{n}_{lengths[0]}-{lengths[1]}_seed{seed}_{fields}.jsonl"
     path = os.path.join(directory, name)
     if not os.path.exists(path):
         os.makedirs(directory, exist_ok=True)
