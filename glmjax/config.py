@@ -98,6 +98,11 @@ class ModelConfig:
         return default_indexer_types(self.num_hidden_layers, self.index_topk_freq, self.index_skip_topk_offset)
 
     @property
+    def full_layers(self) -> list[int]:
+        """The decoder layers with their own indexer, in order (Aux.index_topk's first axis)."""
+        return [i for i, t in enumerate(self.layer_indexer_types) if t == "full"]
+
+    @property
     def yarn(self) -> bool:
         return bool(self.rope_scaling) and self.rope_scaling.get("rope_type", self.rope_scaling.get("type")) == "yarn"
 

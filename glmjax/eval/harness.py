@@ -13,7 +13,7 @@ import numpy as np
 from tqdm import tqdm
 
 from glmjax.data.tokenizer import ByteTokenizer
-from glmjax.eval.needles import full_layers, index_topk, needle_recall
+from glmjax.eval.needles import index_topk, needle_recall
 from glmjax.eval.retrieval import TASKS, examples, min_length, string_match_all
 from glmjax.infer import Decoder, generate
 from glmjax.model import GLM
@@ -47,7 +47,7 @@ def evaluate(model: GLM, tasks=TASKS, lengths=(1024, 2048, 4096), depths=(0.0, 0
     check(tasks, lengths, depths, samples, modes)
     tok = ByteTokenizer()
     decoders = {m: Decoder(model, m) for m in modes}
-    full = full_layers(model)
+    full = model.cfg.full_layers
     out = {"tasks": list(tasks), "lengths": list(lengths), "depths": list(depths), "samples": samples,
            "modes": list(modes), "seed": seed, "index_topk": model.cfg.index_topk, "full_layers": full,
            "accuracy": {m: {t: {} for t in tasks} for m in modes},

@@ -50,7 +50,3 @@ def _index_topk(model: GLM, tokens: jax.Array) -> jax.Array:
 def index_topk(model: GLM, tokens) -> np.ndarray:
     """tokens [B,S] (one document per row) -> the top-k of every layer with its own indexer [F,B,S,k]."""
     return np.asarray(jax.device_get(_index_topk(model, jnp.asarray(tokens, jnp.int32))))
-
-
-def full_layers(model: GLM) -> list[int]:
-    return [i for i, t in enumerate(model.cfg.layer_indexer_types) if t == "full"]

@@ -36,7 +36,7 @@ def load_model(path: str) -> GLM:
 
 def overlap_matrices(model: GLM, batches) -> dict:
     """-> {"attention": [L, L], "indexer": [F, F], "recall": [F], "full_layers": [F]} averaged over batches."""
-    full = [i for i, t in enumerate(model.cfg.layer_indexer_types) if t == "full"]
+    full = model.cfg.full_layers
 
     @nnx.jit
     def one(model, batch):

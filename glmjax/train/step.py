@@ -125,7 +125,7 @@ def topk_stats(model: GLM, batch: Batch) -> dict:
     top-k sets (how much IndexShare's reuse loses)."""
     _, aux = model(batch, "dense", topk_stats=True)
     attn, index = aux.attn_topk, aux.index_topk  # the only read of the model's top-k sets
-    full = [i for i, t in enumerate(model.cfg.layer_indexer_types) if t == "full"]
+    full = model.cfg.full_layers
     return {"topk_recall": jnp.mean(topk_overlap(index, attn[jnp.asarray(full)])),
             "adjacent_overlap": jnp.mean(topk_overlap(attn[1:], attn[:-1]))}
 
